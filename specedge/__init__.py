@@ -1,0 +1,3 @@
+"""SpecEdge: edge-assisted lossless speculative decoding."""
+
+__version__ = "0.1.0"

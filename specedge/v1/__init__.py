@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for wire version 1 (see protos/)."""

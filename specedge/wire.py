@@ -1,0 +1,47 @@
+"""Conversions between the wire messages (specedge.v1) and internal types: the only place they meet."""
+
+from __future__ import annotations
+
+from specedge.tokens import TokenizerFingerprint
+from specedge.types import FinishReason, SamplingParams
+from specedge.v1 import specedge_pb2 as pb
+
+PROTOCOL_VERSION = 1
+
+
+def fingerprint_to_proto(fp: TokenizerFingerprint) -> pb.TokenizerFingerprint:
+    return pb.TokenizerFingerprint(
+        vocab_size=fp.vocab_size,
+        num_tokens=fp.num_tokens,
+        vocab_sha256=fp.vocab_sha256,
+        bos_token_id=fp.bos_token_id,
+        eos_token_ids=fp.eos_token_ids,
+    )
+
+
+def fingerprint_from_proto(msg: pb.TokenizerFingerprint) -> TokenizerFingerprint:
+    return TokenizerFingerprint(
+        vocab_size=msg.vocab_size,
+        num_tokens=msg.num_tokens,
+        vocab_sha256=msg.vocab_sha256,
+        bos_token_id=msg.bos_token_id if msg.HasField("bos_token_id") else None,
+        eos_token_ids=tuple(msg.eos_token_ids),
+    )
+
+
+def sampling_to_proto(params: SamplingParams, seed: int | None) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> tuple[SamplingParams, int | None]:
+    """Raises ValueError with a user-facing message on out-of-range values."""
+    params = SamplingParams(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k)
+    return params, msg.seed if msg.HasField("seed") else None
+
+
+def finish_to_proto(reason: FinishReason) -> int:
+    return reason.value  # the enums are declared in the same order
+
+
+def finish_from_proto(value: int) -> FinishReason:
+    return FinishReason(value)
