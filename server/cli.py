@@ -1,0 +1,69 @@
+"""`specedge-server`: serve a target model for edges to verify against."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from specedge.server.engine import EngineConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="specedge-server", description=__doc__.split(":", 1)[1].strip())
+    parser.add_argument("--model", required=True, help="built-in name, .gguf file, HF model directory or hub id")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-sessions", type=int, default=8, help="KV slots, i.e. concurrent sessions")
+    parser.add_argument("--max-context", type=int, default=None, help="tokens per session (default 4096)")
+    parser.add_argument("--max-draft-tokens", type=int, default=64, help="draft nodes accepted per round")
+    parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is closed")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from specedge.server.app import ServerConfig, SpecEdgeServer
+
+    config = ServerConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        max_context=args.max_context,
+        engine=EngineConfig(
+            max_sessions=args.max_sessions, max_draft_tokens=args.max_draft_tokens, idle_timeout_s=args.idle_timeout
+        ),
+    )
+    server = SpecEdgeServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    address = await server.start()
+    print(f"specedge-server ready on {address}", flush=True)
+    await stop.wait()
+    logging.getLogger(__name__).info("shutting down")
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from specedge.registry import RegistryError
+
+    try:
+        asyncio.run(_serve(args))
+    except (RegistryError, ValueError, OSError) as exc:
+        print(f"specedge-server: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

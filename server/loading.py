@@ -1,0 +1,94 @@
+"""Load a target checkpoint into the compact model, through transformers.
+
+transformers reads every supported format (safetensors, sharded, GGUF) and
+dequantizes GGUF; we then take its tensors as they are (no copy) into
+`CausalLM`. Dequantizing a 1.5B GGUF takes about a minute, so the result is
+saved once as safetensors in the cache dir and reloaded from there in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+
+import torch
+
+from specedge.registry import ResolvedModel, default_cache_dir
+from specedge.server.model import CausalLM, ModelArgs, rope_frequencies
+from specedge.tokens import TokenizerFingerprint, fingerprint_from_gguf, fingerprint_from_hf
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Target:
+    name: str
+    model: CausalLM
+    fingerprint: TokenizerFingerprint
+    eos_token_ids: frozenset[int]
+
+
+def load_target(
+    resolved: ResolvedModel, *, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None
+) -> Target:
+    cache_dir = cache_dir or default_cache_dir()
+    if resolved.format == "gguf":
+        hf_dir = _converted_from_gguf(resolved.path, cache_dir)
+        fingerprint = fingerprint_from_gguf(resolved.path, cache_dir)
+    else:
+        hf_dir = resolved.path
+        fingerprint = None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+    config = hf_model.config
+    if fingerprint is None:
+        fingerprint = fingerprint_from_hf(AutoTokenizer.from_pretrained(hf_dir), vocab_size=config.vocab_size)
+    model = _from_hf(hf_model).to(device).eval()
+    del hf_model
+    eos = set(fingerprint.eos_token_ids)
+    config_eos = config.eos_token_id
+    eos.update(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    return Target(name=resolved.name, model=model, fingerprint=fingerprint, eos_token_ids=frozenset(eos))
+
+
+def _from_hf(hf_model) -> CausalLM:
+    """Move an HF causal LM's parameters into a CausalLM without copying them."""
+    args = ModelArgs.from_hf_config(hf_model.config)
+    inv_freq, scaling = rope_frequencies(hf_model.config, args.head_dim)
+    with torch.device("meta"):
+        model = CausalLM(args, inv_freq, scaling)
+    state = hf_model.state_dict()
+    if args.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, assign=True, strict=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = inv_freq.to(model.lm_head.weight.device)
+    return model
+
+
+def _converted_from_gguf(gguf_path: pathlib.Path, cache_dir: pathlib.Path) -> pathlib.Path:
+    """An HF safetensors directory holding the dequantized GGUF, made once."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out_dir = cache_dir / "converted" / f"{gguf_path.stem}-{key}"
+    if (out_dir / "config.json").exists():
+        return out_dir
+    from transformers import AutoModelForCausalLM
+
+    log.info("dequantizing %s once (about a minute per billion parameters); cached in %s", gguf_path.name, out_dir)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
+    hf_model.hf_quantizer = None
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    hf_model.save_pretrained(partial)
+    os.replace(partial, out_dir)
+    return out_dir

@@ -1,0 +1,201 @@
+"""A compact Llama/Qwen2-family decoder that reads and writes a padded KV cache.
+
+One forward serves any mix of sessions: each row of the batch is one
+session's new tokens (a prompt chunk, a decode step, or a draft tree), written
+into that session's KV slot and attending to the slot's prefix plus whatever
+of its own new tokens the mask allows. Module names mirror transformers'
+(`model.layers.N.self_attn.q_proj`, ...) so its state dicts load as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# RoPE variants whose frequencies do not depend on the sequence length; the
+# dynamic ones would make a token's result depend on its batch.
+_STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelArgs:
+        supported = {"llama", "qwen2"}
+        if config.model_type not in supported:
+            raise ValueError(f"unsupported architecture {config.model_type!r}; supported: {', '.join(sorted(supported))}")
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            tie_word_embeddings=bool(config.tie_word_embeddings),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and output scaling, computed by transformers' own RoPE code."""
+    params = config.rope_parameters or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} is not supported (only static types: {sorted(_STATIC_ROPE_TYPES)})")
+    if rope_type == "default":
+        theta = params["rope_theta"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """Where a batch's tokens sit: built once per step, shared by every layer."""
+
+    token_ids: torch.Tensor  # [B, T] (padding rows/columns hold any valid id)
+    positions: torch.Tensor  # [B, T] RoPE position of each token
+    slots: torch.Tensor  # [B] KV slot of each row
+    write_rows: torch.Tensor  # [N] batch row of each real (non-padding) token
+    write_cols: torch.Tensor  # [N] column in the batch of each real token
+    write_positions: torch.Tensor  # [N] KV position each real token is stored at
+    attn_mask: torch.Tensor  # [B, 1, T, K] True where a query may attend a cached key
+    logit_rows: torch.Tensor  # [L] batch row of each token whose logits are wanted
+    logit_cols: torch.Tensor  # [L]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,  # [B, 1, T, head_dim]
+        sin: torch.Tensor,  # [B, 1, T, head_dim]
+        k_cache: torch.Tensor,  # [num_slots, max_len, kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_slots, max_len, kv_heads, head_dim]
+        layout: BatchLayout,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        head_dim = self.args.head_dim
+        q = self.q_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)  # [B, KVH, T, D]
+        v = self.v_proj(x).view(batch, seq, -1, head_dim)  # [B, T, KVH, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)  # [B, T, KVH, D]
+
+        # Only real tokens are stored; padding never touches a slot.
+        slot_of_token = layout.slots[layout.write_rows]
+        k_cache[slot_of_token, layout.write_positions] = k[layout.write_rows, layout.write_cols]
+        v_cache[slot_of_token, layout.write_positions] = v[layout.write_rows, layout.write_cols]
+
+        num_keys = layout.attn_mask.shape[-1]
+        keys = k_cache[layout.slots, :num_keys].transpose(1, 2)  # [B, KVH, K, D]
+        values = v_cache[layout.slots, :num_keys].transpose(1, 2)  # [B, KVH, K, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.attn_mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, args: ModelArgs, inv_freq: torch.Tensor, rope_scaling: float):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scaling = rope_scaling
+
+    def forward(
+        self,
+        layout: BatchLayout,
+        k_caches: list[torch.Tensor],  # per layer: [num_slots, max_len, kv_heads, head_dim]
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits of the tokens named by layout.logit_rows/cols: [L, vocab] in float32."""
+        x = self.model.embed_tokens(layout.token_ids)  # [B, T, hidden]
+        freqs = layout.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]  # [B, 1, T, D]
+        sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None]
+        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, k_cache, v_cache, layout)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = self.model.norm(x[layout.logit_rows, layout.logit_cols])  # [L, hidden]
+        return self.lm_head(hidden).float()

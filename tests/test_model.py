@@ -1,0 +1,55 @@
+"""The compact model against transformers' own, on the same tiny weights."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specedge.registry import ResolvedModel
+from specedge.server.loading import load_target
+from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
+
+ATOL = 1e-4
+
+
+def _runner(model_dir, num_slots=4, max_len=128):
+    target = load_target(ResolvedModel("tiny", "hf", model_dir), device=torch.device("cpu"), dtype=torch.float32)
+    kv = KVCache(target.model, num_slots=num_slots, max_len=max_len, device=torch.device("cpu"), dtype=torch.float32)
+    return ModelRunner(target.model, kv)
+
+
+def _hf_logits(model_dir, token_ids):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_target_dir", "tiny_llama_dir"])
+def test_prefill_logits_match_transformers(request, fixture):
+    model_dir = request.getfixturevalue(fixture)
+    tokens = list(range(3, 40))
+    runner = _runner(model_dir)
+    [ours] = runner.forward([ForwardRequest(slot=1, num_cached=0, token_ids=tuple(tokens))])
+    torch.testing.assert_close(ours, _hf_logits(model_dir, tokens), atol=ATOL, rtol=0)
+
+
+def test_sessions_of_different_lengths_in_one_batch(tiny_target_dir):
+    """Each row sees only its own slot: batching must not change any row's logits."""
+    a, b = list(range(5, 30)), list(range(100, 108))
+    runner = _runner(tiny_target_dir)
+    # Prefill both, then one step each in a single mixed batch (a decode + a 4-token chain).
+    runner.forward([ForwardRequest(0, 0, tuple(a[:-1]), all_logits=False), ForwardRequest(2, 0, tuple(b[:-4]))])
+    step_a, step_b = runner.forward([ForwardRequest(0, len(a) - 1, (a[-1],)), ForwardRequest(2, len(b) - 4, tuple(b[-4:]))])
+    torch.testing.assert_close(step_a, _hf_logits(tiny_target_dir, a)[-1:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(step_b, _hf_logits(tiny_target_dir, b)[-4:], atol=ATOL, rtol=0)
+
+
+def test_tree_nodes_see_only_their_ancestors(tiny_target_dir):
+    prompt = list(range(10, 30))
+    # root=29 -> 50 -> 51, root -> 60: node 3 (60) must not see nodes 1-2.
+    runner = _runner(tiny_target_dir)
+    runner.forward([ForwardRequest(0, 0, tuple(prompt[:-1]))])
+    [logits] = runner.forward([ForwardRequest(0, len(prompt) - 1, (prompt[-1], 50, 51, 60), tree_parents=(0, 1, 0))])
+    path_one = _hf_logits(tiny_target_dir, prompt + [50, 51])
+    path_two = _hf_logits(tiny_target_dir, prompt + [60])
+    torch.testing.assert_close(logits[:3], path_one[-3:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[3], path_two[-1], atol=ATOL, rtol=0)
