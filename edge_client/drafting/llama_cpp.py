@@ -1,0 +1,121 @@
+"""Greedy chain drafts from a GGUF model through llama.cpp (no torch needed).
+
+Rolling back is nearly free: llama.cpp keeps the evaluated ids beside the KV
+cache, and setting `Llama.n_tokens = keep` makes the next `eval` drop every
+cache entry from `keep` on (it calls `kv_cache_seq_rm` first). So each round
+costs only the tokens that are new since the last one.
+
+Logits are read straight from llama.cpp's output buffer. With
+`logits_all=False`, `Llama.eval` in llama-cpp-python 0.3.16 does not copy
+logits into `Llama.scores` at all (that array stays uninitialised), and
+`logits_all=True` would allocate n_ctx x vocab floats (1.2 GB for a Qwen
+vocabulary at 2048). `llama_get_logits_ith(ctx, -1)` is the last evaluated
+position's row, which is the only one a chain needs.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+
+import llama_cpp
+import numpy as np
+
+from specedge.edge_client.drafting.base import DraftChain
+from specedge.edge_client.llama_log import route_llama_logs_to_logging
+from specedge.tokens import fingerprint_from_gguf
+
+
+class LlamaCppDrafter:
+    """Drafter over one llama.cpp context; not safe to share between threads.
+
+    `n_threads=None` uses every logical CPU: the edge machine is the user's,
+    and without proactive drafting the drafter is idle while the server
+    verifies. (llama-cpp-python's own default, half the CPUs, is one thread
+    on a 2-core machine: about half the draft speed.)
+    """
+
+    def __init__(
+        self,
+        model_path: str | pathlib.Path,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+    ):
+        route_llama_logs_to_logging()
+        self._llm = llama_cpp.Llama(
+            model_path=str(model_path),
+            n_ctx=n_ctx,
+            n_threads=n_threads or os.cpu_count() or 1,
+            n_batch=n_batch,
+            logits_all=False,
+            verbose=False,
+        )
+        self._num_vocab = self._llm.n_vocab()
+        self._max_tokens = self._llm.n_ctx()
+        self.fingerprint = fingerprint_from_gguf(model_path)
+
+    def propose(self, context: Sequence[int], num_tokens: int) -> DraftChain:
+        if len(context) == 0:
+            raise ValueError("cannot draft from an empty context")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        llm = self._require_open()
+        context_ids = np.asarray(context, dtype=np.intc)  # [num_context]
+        # Context plus drafts must fit the KV cache; draft fewer rather than fail.
+        num_tokens = min(num_tokens, self._max_tokens - len(context_ids))
+        if num_tokens <= 0:
+            return DraftChain(token_ids=(), probs=())
+
+        keep = self._reusable_prefix(context_ids)
+        suffix = context_ids[keep:]
+        if suffix.min() < 0 or suffix.max() >= self._num_vocab:
+            raise ValueError(f"context holds token ids outside the draft vocabulary [0, {self._num_vocab})")
+        llm.n_tokens = keep  # rollback: eval() drops the cache from here on
+        llm.eval(suffix.tolist())
+
+        token_ids: list[int] = []
+        probs: list[float] = []
+        for step in range(num_tokens):
+            token, prob = self._greedy_next()
+            token_ids.append(token)
+            probs.append(prob)
+            # The last draft stays unevaluated: if it is accepted, the next
+            # call evaluates it as part of that call's suffix.
+            if step + 1 < num_tokens:
+                llm.eval([token])
+        return DraftChain(token_ids=tuple(token_ids), probs=tuple(probs))
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None
+
+    def _require_open(self) -> llama_cpp.Llama:
+        if self._llm is None:
+            raise RuntimeError("drafter is closed")
+        return self._llm
+
+    def _reusable_prefix(self, context_ids: np.ndarray) -> int:
+        """How many leading context tokens already have their KV in the cache.
+
+        At most len(context) - 1: the logits after the context's last token
+        are needed, and llama.cpp keeps only the last evaluated row, so that
+        token is always evaluated again. E.g. cache [5 8 9 4], context
+        [5 8 9 4] -> keep 3; context [5 8 7] -> keep 2.
+        """
+        cached = self._llm.input_ids[: self._llm.n_tokens]  # [num_cached]
+        limit = min(len(cached), len(context_ids) - 1)
+        mismatches = np.flatnonzero(cached[:limit] != context_ids[:limit])
+        return int(mismatches[0]) if mismatches.size else limit
+
+    def _greedy_next(self) -> tuple[int, float]:
+        """Argmax after the last evaluated token, and its softmax probability."""
+        row = llama_cpp.llama_get_logits_ith(self._llm.ctx, -1)
+        logits = np.ctypeslib.as_array(row, shape=(self._num_vocab,))  # [vocab]; a view, valid until the next eval
+        token = int(np.argmax(logits))
+        # p(token) = 1 / sum(exp(logits - max)); no full softmax array needed.
+        prob = 1.0 / float(np.exp(logits - logits[token], dtype=np.float64).sum())
+        return token, prob

@@ -1,0 +1,188 @@
+"""Edge -> server -> edge over real gRPC on loopback, with tiny models: lossless, isolated, precise errors."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+from transformers import AutoModelForCausalLM
+
+from harness import ServerThread
+from reference import greedy_decode
+from specedge import wire
+from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
+from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.tokenizer import HFTokenizer
+from specedge.server.app import ServerConfig
+from specedge.server.engine import EngineConfig
+from specedge.types import FinishReason, SamplingParams
+from specedge.v1 import specedge_pb2 as pb
+from specedge.v1 import specedge_pb2_grpc
+
+# With the tiny target these end early on EOS, late on EOS, and on the length limit.
+PROMPTS = [
+    [{"role": "user", "content": "def add(a, b):"}],
+    [{"role": "user", "content": "The quick brown fox"}],
+    [{"role": "user", "content": "print(i * i)"}],
+    [{"role": "user", "content": "안녕하세요"}],
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target_dir):
+    config = ServerConfig(
+        model=str(tiny_target_dir), port=0, max_context=256, engine=EngineConfig(max_sessions=6, max_draft_tokens=16)
+    )
+    with ServerThread(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_draft_dir):
+    return HFTokenizer(tiny_draft_dir)
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_draft_dir):
+    drafter = TorchDrafter(tiny_draft_dir)
+    yield drafter
+    drafter.close()
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_target_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+
+
+def generate(server, tokenizer, prompt, drafter, **config):
+    async def run():
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
+            return await client.generate(prompt, drafter)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("num_draft", [1, 2, 4, 8])
+def test_greedy_speculative_equals_target_only(server, tokenizer, drafter, reference_model, num_draft):
+    rounds = accepted = generated = 0
+    for messages in PROMPTS:
+        prompt = tokenizer.apply_chat_template(messages)
+        expected = greedy_decode(reference_model, prompt, 40, set(tokenizer.eos_token_ids))
+        speculative = generate(server, tokenizer, prompt, drafter, num_draft=num_draft, max_new_tokens=40)
+        server_only = generate(server, tokenizer, prompt, None, max_new_tokens=40)
+        assert speculative.token_ids == expected
+        assert server_only.token_ids == expected
+        assert speculative.stats.draft_tokens <= num_draft * speculative.stats.rounds
+        rounds, accepted = rounds + speculative.stats.rounds, accepted + speculative.stats.accepted_tokens
+        generated += len(expected) - 1  # tokens after the first come from verify rounds
+    assert accepted > 0
+    # Each round commits its accepted drafts + one target token, except a last
+    # round cut short by EOS or the length limit (at most one per prompt).
+    assert rounds + accepted - len(PROMPTS) <= generated <= rounds + accepted
+
+
+def test_four_edges_at_once_are_each_lossless(server, tokenizer, tiny_draft_dir, reference_model):
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"edge {i} says hi"}]) for i in range(4)]
+    drafters = [TorchDrafter(tiny_draft_dir) for _ in prompts]
+
+    async def run():
+        config = EdgeConfig(num_draft=4, max_new_tokens=48)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+            return await asyncio.gather(*(client.generate(p, d) for p, d in zip(prompts, drafters)))
+
+    results = asyncio.run(run())
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_decode(reference_model, prompt, 48, set(tokenizer.eos_token_ids))
+    assert not server.server.engine.sessions  # every slot was given back
+
+
+def test_seeded_sampling_is_reproducible_and_matches_server_only(server, tokenizer, drafter):
+    prompt = tokenizer.apply_chat_template(PROMPTS[0])
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50)
+    runs = [generate(server, tokenizer, prompt, drafter, sampling=sampling, seed=7, max_new_tokens=40) for _ in range(2)]
+    server_only = generate(server, tokenizer, prompt, None, sampling=sampling, seed=7, max_new_tokens=40)
+    other_seed = generate(server, tokenizer, prompt, drafter, sampling=sampling, seed=8, max_new_tokens=40)
+    assert runs[0].token_ids == runs[1].token_ids == server_only.token_ids
+    assert other_seed.token_ids != runs[0].token_ids
+
+
+def test_max_tokens_and_finish_reason(server, tokenizer, drafter):
+    prompt = tokenizer.apply_chat_template(PROMPTS[1])
+    result = generate(server, tokenizer, prompt, drafter, num_draft=8, max_new_tokens=5)
+    assert len(result.token_ids) <= 5
+    assert result.finish in (FinishReason.LENGTH, FinishReason.STOP)
+    assert result.finish is FinishReason.STOP or len(result.token_ids) == 5
+
+
+def test_incompatible_draft_is_refused_on_both_sides(server, tiny_foreign_dir):
+    foreign = HFTokenizer(tiny_foreign_dir)
+    with pytest.raises(EdgeError, match="draft vocab 320 != target vocab 384"):
+        generate(server, foreign, [5, 6, 7], None)
+
+    # A client that skips its own check still gets FAILED_PRECONDITION from the server.
+    async def raw_open():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = specedge_pb2_grpc.SpecEdgeStub(channel)
+            await stub.OpenSession(
+                pb.OpenSessionRequest(
+                    tokenizer=wire.fingerprint_to_proto(foreign.fingerprint), prompt_token_ids=[5], max_new_tokens=4
+                )
+            )
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(raw_open())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "draft vocab 320 != target vocab 384" in info.value.details()
+
+
+def test_unreachable_server_gives_an_actionable_error(tokenizer):
+    class Nowhere:
+        address = "127.0.0.1:9"  # discard port: nothing listens
+
+    with pytest.raises(EdgeError, match="cannot reach the server at 127.0.0.1:9"):
+        generate(Nowhere, tokenizer, [5, 6], None)
+
+
+def test_sampled_speculative_output_follows_the_target_distribution(server, tokenizer, drafter, reference_model):
+    """The 2nd token (decided by a verify round) over many seeds vs the target's exact marginal."""
+    import torch
+
+    from specedge.server.sampling import target_probs
+
+    prompt = tokenizer.apply_chat_template(PROMPTS[2])
+    sampling = SamplingParams(temperature=1.0, top_k=4)
+    with torch.inference_mode():
+        first = target_probs(reference_model(torch.tensor([prompt])).logits[0, -1:], sampling)[0]
+        marginal = torch.zeros_like(first, dtype=torch.float64)
+        for t1 in first.nonzero().flatten().tolist():
+            after = target_probs(reference_model(torch.tensor([prompt + [t1]])).logits[0, -1:], sampling)[0]
+            marginal += float(first[t1]) * after.double()
+
+    num_runs = 400
+
+    async def run():
+        config = EdgeConfig(num_draft=4, max_new_tokens=2, sampling=sampling)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+            results = []
+            for seed in range(num_runs):
+                client.config = dataclasses.replace(config, seed=seed)
+                results.append(await client.generate(prompt, drafter))
+            return results
+
+    results = asyncio.run(run())
+    seconds = [r.token_ids[1] for r in results if len(r.token_ids) == 2]
+    assert len(seconds) == num_runs  # the first token is never EOS here
+    assert sum(r.stats.accepted_tokens for r in results) > 0  # some 2nd tokens came from accepted drafts
+    counts = torch.bincount(torch.tensor(seconds), minlength=len(marginal)).double()
+    expected = marginal * num_runs
+    big = expected >= 5  # merge rare tokens into one bin so the chi-square approximation holds
+    observed_bins = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    expected_bins = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    assert counts[marginal == 0].sum() == 0  # never a token the target could not produce
+    keep = expected_bins > 0
+    chi2 = float(((observed_bins[keep] - expected_bins[keep]) ** 2 / expected_bins[keep]).sum())
+    dof = int(keep.sum()) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
+    assert p_value > 1e-3, (chi2, dof, observed_bins.tolist(), expected_bins.tolist())
