@@ -1,0 +1,1 @@
+"""Benchmarks: measured here, never in timed tests (see README)."""

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The main job on the built-in real models: a server verifies with Qwen2.5-Coder-1.5B,
+# an edge drafts with Qwen2.5-Coder-0.5B, and the answer streams to the terminal.
+# Then the same question server-only, to show the output is token-identical.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN="${VENV:-.venv}/bin"
+PORT="${PORT:-50051}"
+PROMPT="${1:-Write a Python function that returns the n-th Fibonacci number.}"
+LOG="$(mktemp -t specedge-server.XXXXXX.log)"
+
+echo "starting specedge-server (the first start assembles and converts the 1.5B model once, ~2 min)..." >&2
+"$BIN/specedge-server" --model qwen2.5-coder-1.5b --port "$PORT" >"$LOG" 2>&1 &
+server=$!
+trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+until grep -q "specedge-server ready on" "$LOG"; do
+    kill -0 $server 2>/dev/null || { echo "server failed to start; see $LOG" >&2; tail -5 "$LOG" >&2; exit 1; }
+    sleep 1
+done
+grep "specedge-server ready on" "$LOG" >&2
+
+echo "--- speculative (edge drafts 4 tokens a round, server verifies):" >&2
+"$BIN/specedge-edge" --server "127.0.0.1:$PORT" --draft qwen2.5-coder-0.5b --prompt "$PROMPT" --max-tokens 96 \
+    --json >/tmp/specedge-demo-spec.json
+"$BIN/python" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["text"]); print(r["stats"], file=sys.stderr)' \
+    /tmp/specedge-demo-spec.json
+echo "--- server-only (the target alone), for comparison:" >&2
+"$BIN/specedge-edge" --server "127.0.0.1:$PORT" --server-only --prompt "$PROMPT" --max-tokens 96 \
+    --json >/tmp/specedge-demo-alone.json
+"$BIN/python" - /tmp/specedge-demo-spec.json /tmp/specedge-demo-alone.json <<'PY'
+import json, sys
+spec, alone = (json.load(open(p)) for p in sys.argv[1:])
+same = spec["token_ids"] == alone["token_ids"]
+print(f"token-identical to server-only: {same}; acceptance {spec['stats']['acceptance_rate']:.2f}, "
+      f"{spec['stats']['tokens_per_round']:.2f} tokens per target forward "
+      f"(server-only: 1.00); wall ITL {spec['stats']['itl_ms']:.0f} ms vs {alone['stats']['itl_ms']:.0f} ms")
+sys.exit(0 if same else 1)
+PY

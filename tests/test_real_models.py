@@ -1,0 +1,72 @@
+"""The real pair, through the real command lines: Qwen2.5-Coder 0.5B (llama.cpp) -> 1.5B (torch).
+
+Marked `real_model`: slow (the first run dequantizes the 1.5B GGUF once into the
+cache, about a minute), but it runs in CI like everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import start_server_process
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain what a hash map is in two sentences.",
+]
+BIN = os.path.dirname(sys.executable)
+
+
+@pytest.fixture(scope="module")
+def server_address():
+    process, address = start_server_process("--model", "qwen2.5-coder-1.5b", "--max-sessions", "4")
+    yield address
+    process.send_signal(2)  # SIGINT: clean shutdown
+    try:
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+
+
+def edge(address: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [f"{BIN}/specedge-edge", "--server", address, *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_speculative_is_token_identical_to_server_only(server_address):
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        common = ["--prompt", prompt, "--max-tokens", "64", "--json"]
+        speculative = edge(server_address, "--draft", "qwen2.5-coder-0.5b", "--num-draft", "4", *common)
+        server_only = edge(server_address, "--server-only", *common)
+        assert speculative.returncode == 0, speculative.stderr
+        assert server_only.returncode == 0, server_only.stderr
+        spec, alone = json.loads(speculative.stdout), json.loads(server_only.stdout)
+        assert spec["token_ids"] == alone["token_ids"]
+        assert spec["text"] == alone["text"] and len(spec["token_ids"]) >= 16
+        accepted += spec["stats"]["accepted_tokens"]
+        drafted += spec["stats"]["draft_tokens"]
+    assert accepted / drafted >= 0.6, (accepted, drafted)
+
+
+def test_streamed_text_matches_the_json_text(server_address):
+    prompt = ["--prompt", "Say hello in Korean.", "--max-tokens", "24"]
+    streamed = edge(server_address, "--draft", "qwen2.5-coder-0.5b", *prompt)
+    as_json = edge(server_address, "--draft", "qwen2.5-coder-0.5b", "--json", *prompt)
+    assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
+    assert streamed.stdout.rstrip("\n") == json.loads(as_json.stdout)["text"]
+
+
+def test_incompatible_draft_is_refused_with_both_vocab_sizes(server_address):
+    result = edge(server_address, "--draft", "smollm2-135m", "--prompt", "hi", "--max-tokens", "4")
+    assert result.returncode != 0
+    assert "draft vocab 49152 != target vocab 151936" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1  # one actionable line, no traceback
