@@ -27,3 +27,19 @@ class SlotAllocator:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"slot {slot} is not in use")
         self._free.append(slot)
+
+
+def slots_within_budget(*, requested: int, bytes_per_slot: int, budget_bytes: int | None) -> int:
+    """How many of the `requested` KV slots fit in `budget_bytes` (None: no budget).
+
+    Raises ValueError, naming the numbers, when not even one slot fits.
+    """
+    if budget_bytes is None:
+        return requested
+    fitting = budget_bytes // bytes_per_slot
+    if fitting < 1:
+        raise ValueError(
+            f"one KV slot needs {bytes_per_slot / 2**30:.2f} GiB but the KV budget is {budget_bytes / 2**30:.2f} GiB; "
+            "lower --max-context or raise --kv-cache-gb"
+        )
+    return min(requested, fitting)

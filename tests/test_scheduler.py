@@ -1,8 +1,9 @@
-"""The pure-Python scheduler: slots and the token-budget batcher (milliseconds, no torch)."""
+"""The pure-Python scheduler: slots, the batcher, speculation advice (milliseconds, no torch)."""
 
 import pytest
 
-from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, SlotAllocator, WorkItem
+from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, PrefillChunk, SlotAllocator, slots_within_budget
+from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig, advise, expected_tokens
 
 
 def test_slots_are_handed_out_and_given_back():
@@ -25,18 +26,101 @@ def test_double_release_is_refused():
         slots.release(slot)
 
 
-def test_batches_take_queued_work_in_order_within_the_token_budget():
-    batcher = Batcher(BatcherConfig(max_batch_tokens=10, max_batch_rows=3))
+def test_rounds_go_first_in_arrival_order_within_the_token_budget():
+    batcher = Batcher(BatcherConfig(max_batch_tokens=10, max_batch_rows=3, prefill_reserve=4))
     for name, tokens in [("a", 4), ("b", 5), ("c", 2), ("d", 1), ("e", 1)]:
-        batcher.submit(WorkItem(tokens, name))
-    assert [item.payload for item in batcher.take_batch()] == ["a", "b"]  # c would exceed 10 tokens
-    assert [item.payload for item in batcher.take_batch()] == ["c", "d", "e"]  # row budget: 3
-    assert batcher.take_batch() == []
+        batcher.add_round(name, tokens)
+    assert batcher.plan_step().rounds == ["a", "b"]  # c would exceed 10 tokens
+    assert batcher.plan_step().rounds == ["c", "d", "e"]  # row budget: 3
+    assert not batcher.plan_step()
 
 
-def test_an_item_larger_than_the_budget_still_runs_alone():
-    batcher = Batcher(BatcherConfig(max_batch_tokens=8))
-    batcher.submit(WorkItem(100, "prefill"))
-    batcher.submit(WorkItem(1, "decode"))
-    assert [item.payload for item in batcher.take_batch()] == ["prefill"]
-    assert [item.payload for item in batcher.take_batch()] == ["decode"]
+def test_a_round_larger_than_the_budget_still_runs_alone():
+    batcher = Batcher(BatcherConfig(max_batch_tokens=8, prefill_reserve=4))
+    batcher.add_round("big", 100)
+    batcher.add_round("small", 1)
+    assert batcher.plan_step().rounds == ["big"]
+    assert batcher.plan_step().rounds == ["small"]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_rounds():
+    batcher = Batcher(BatcherConfig(max_batch_tokens=64, prefill_reserve=16))
+    batcher.add_round("a", 5)
+    batcher.add_round("b", 40)
+    batcher.add_prefill("p", 300)
+    first = batcher.plan_step()
+    assert first.rounds == ["a", "b"]
+    assert first.prefills == [PrefillChunk("p", start=0, num_tokens=19, is_last=False)]
+    batcher.add_round("a", 5)  # a's next round arrives while p is still prefilling
+    second = batcher.plan_step()
+    assert second.rounds == ["a"]
+    assert second.prefills == [PrefillChunk("p", start=19, num_tokens=59, is_last=False)]
+    chunks = [second.prefills[0]]
+    while plan := batcher.plan_step():
+        chunks += plan.prefills
+    assert chunks[-1].is_last and chunks[-1].start + chunks[-1].num_tokens == 300
+    assert all(a.start + a.num_tokens == b.start for a, b in zip(chunks, chunks[1:]))
+
+
+def test_rounds_cannot_starve_a_waiting_prefill():
+    batcher = Batcher(BatcherConfig(max_batch_tokens=32, prefill_reserve=8))
+    batcher.add_prefill("p", 20)
+    prefilled = 0
+    for step in range(10):
+        for name in "abcdefgh":
+            batcher.add_round(f"{name}{step}", 4)  # 32 tokens of rounds every step
+        plan = batcher.plan_step()
+        assert sum(4 for _ in plan.rounds) <= 32 - 8 or not plan.prefills
+        prefilled += sum(chunk.num_tokens for chunk in plan.prefills)
+        for key in [f"{name}{step}" for name in "abcdefgh"]:
+            batcher.remove(key)  # leftovers are re-queued by their sessions in real life
+        if prefilled == 20:
+            break
+    assert prefilled == 20 and step == 2  # 8 tokens per step: 8 + 8 + 4
+
+
+def test_prefills_are_served_first_come_first_served():
+    batcher = Batcher(BatcherConfig(max_batch_tokens=10, prefill_reserve=10))
+    batcher.add_prefill("first", 15)
+    batcher.add_prefill("second", 5)
+    assert [c.key for c in batcher.plan_step().prefills] == ["first"]
+    assert [(c.key, c.num_tokens) for c in batcher.plan_step().prefills] == [("first", 5), ("second", 5)]
+
+
+def test_one_piece_of_work_per_session_and_removal():
+    batcher = Batcher()
+    batcher.add_round("s", 3)
+    with pytest.raises(ValueError, match="already has work queued"):
+        batcher.add_round("s", 1)
+    batcher.remove("s")
+    batcher.remove("never-queued")
+    assert not batcher.plan_step()
+
+
+def test_speculation_advice_follows_acceptance_and_load():
+    config = SpeculationConfig(max_draft_tokens=8)
+    assert advise(0.8, 0.0, config) == 8  # idle server: drafting is nearly free
+    assert advise(0.8, 0.2, config) == 4
+    assert advise(0.8, 1.0, config) == 0  # saturated: every draft token costs a full token
+    assert advise(0.1, 0.1, config) == 0  # a draft that is rarely right never pays
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_a_session_with_speculation_off_still_probes():
+    session = SessionSpeculation(SpeculationConfig(max_draft_tokens=8, probe_every=4))
+    for _ in range(20):
+        session.observe(4, 0)  # nothing accepted: acceptance decays towards 0
+    advice = [session.next_advice(load=0.5) for _ in range(8)]
+    assert advice == [0, 0, 0, 1, 0, 0, 0, 1]
+    for _ in range(20):
+        session.observe(1, 1)  # the probes succeed: speculation comes back
+    assert session.next_advice(load=0.0) == 8
+
+
+def test_slots_are_sized_to_the_kv_budget():
+    gib = 2**30
+    assert slots_within_budget(requested=8, bytes_per_slot=gib, budget_bytes=None) == 8
+    assert slots_within_budget(requested=8, bytes_per_slot=gib, budget_bytes=3 * gib + 5) == 3
+    assert slots_within_budget(requested=2, bytes_per_slot=gib, budget_bytes=10 * gib) == 2
+    with pytest.raises(ValueError, match="one KV slot needs 1.00 GiB but the KV budget is 0.50 GiB"):
+        slots_within_budget(requested=1, bytes_per_slot=gib, budget_bytes=gib // 2)

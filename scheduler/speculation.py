@@ -1,0 +1,78 @@
+"""How many draft tokens pay, for this session's acceptance and the server's load.
+
+With per-token acceptance a, a round of k drafts commits on average
+E(k) = (1 - a^(k+1)) / (1 - a) tokens. What it costs the server depends on
+load: an idle server is memory-bound, so extra tokens in a forward are
+nearly free; a saturated one is compute-bound, so every token costs. We model
+the cost of a round as 1 + load * k, with load in [0, 1] the busy share of
+the step budget, and advise the k that maximises E(k) / (1 + load * k).
+When no k beats plain decoding (k = 0, one token per unit cost), the advice
+is 0: drafting is off and the server decodes alone. Every `probe_every`-th
+round of such a session still advises 1 token, so a session whose acceptance
+recovers gets speculation back.
+
+    a = 0.8, idle (load 0):  k = max_draft (E keeps growing, cost stays 1)
+    a = 0.8, load 0.2:       k = 4 (E(4) / 1.8 = 1.87, the best)
+    a = 0.8, load 1:         0     (E(k) / (1 + k) < 1 for every k >= 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig:
+    max_draft_tokens: int = 16
+    prior_acceptance: float = 0.7  # before a session has any history
+    ema_weight: float = 0.25  # weight of the newest round in the acceptance average
+    probe_every: int = 8  # rounds between 1-token probes while drafting is off
+    min_gain: float = 1.05  # drafting must beat plain decoding by this factor
+
+    def __post_init__(self):
+        if self.max_draft_tokens < 0 or not 0 < self.ema_weight <= 1 or self.probe_every < 1:
+            raise ValueError(f"invalid speculation config: {self}")
+
+
+def expected_tokens(acceptance: float, num_draft: int) -> float:
+    """Mean tokens committed by a round of `num_draft` drafts (the target's own token included)."""
+    if acceptance >= 1.0:
+        return num_draft + 1.0
+    return (1.0 - acceptance ** (num_draft + 1)) / (1.0 - acceptance)
+
+
+def advise(acceptance: float, load: float, config: SpeculationConfig) -> int:
+    """Draft tokens to advise; 0 when speculation does not pay at this load."""
+    load = min(max(load, 0.0), 1.0)
+    best_k, best_gain = 0, 1.0
+    for k in range(1, config.max_draft_tokens + 1):
+        gain = expected_tokens(acceptance, k) / (1.0 + load * k)
+        if gain > best_gain + 1e-9:
+            best_k, best_gain = k, gain
+    return best_k if best_gain >= config.min_gain else 0
+
+
+@dataclasses.dataclass
+class SessionSpeculation:
+    """One session's acceptance history and the advice that follows from it."""
+
+    config: SpeculationConfig
+    acceptance: float = -1.0  # < 0: no history yet
+    rounds_off: int = 0
+
+    def __post_init__(self):
+        if self.acceptance < 0:
+            self.acceptance = self.config.prior_acceptance
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens:
+            rate = num_accepted / num_draft_tokens
+            self.acceptance += self.config.ema_weight * (rate - self.acceptance)
+
+    def next_advice(self, load: float) -> int:
+        advice = advise(self.acceptance, load, self.config)
+        if advice:
+            self.rounds_off = 0
+            return advice
+        self.rounds_off += 1
+        return 1 if self.rounds_off % self.config.probe_every == 0 else 0
