@@ -41,6 +41,7 @@ class EdgeConfig:
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None  # same seed, same output (speculative or not)
+    follow_advice: bool = True  # draft min(num_draft, the server's advice) tokens a round
     rpc_timeout_s: float = 120.0  # per RPC; a verify round normally takes well under a second
 
     def __post_init__(self):
@@ -109,6 +110,7 @@ class EdgeClient:
         self.config = config
         self._channel: grpc.aio.Channel | None = None
         self._stub: specedge_pb2_grpc.SpecEdgeStub | None = None
+        self._lease: grpc.aio.UnaryStreamCall | None = None
         self.server_info: pb.HandshakeResponse | None = None
 
     async def __aenter__(self) -> EdgeClient:
@@ -117,9 +119,13 @@ class EdgeClient:
         self._channel = grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
         self._stub = specedge_pb2_grpc.SpecEdgeStub(self._channel)
         await self.handshake()
+        # The connection's lease: if this process dies, the server frees our slots at once.
+        self._lease = self._stub.Attach(pb.AttachRequest())
         return self
 
     async def __aexit__(self, *exc_info) -> None:
+        if self._lease is not None:
+            self._lease.cancel()
         if self._channel is not None:
             await self._channel.close()
 
@@ -172,9 +178,13 @@ class EdgeClient:
         tokens = [opened.first_token_id]
         on_tokens(tokens)
         finish = wire.finish_from_proto(opened.finish_reason)
-        num_draft = min(config.num_draft, opened.limits.max_draft_tokens)
+        max_draft = min(config.num_draft, opened.limits.max_draft_tokens)
+        advised = opened.advised_draft_tokens
         try:
             while finish is FinishReason.NONE:
+                # Advice 0 means drafting does not pay right now: the round
+                # carries no drafts and the server decodes one token itself.
+                num_draft = min(max_draft, advised) if config.follow_advice else max_draft
                 draft = await asyncio.to_thread(drafter.propose, [*prompt, *tokens], num_draft)
                 reply = await self._call(
                     self._stub.Verify,
@@ -182,6 +192,7 @@ class EdgeClient:
                         session_id=opened.session_id, draft_token_ids=draft.token_ids, num_generated=len(tokens)
                     ),
                 )
+                advised = reply.advised_draft_tokens
                 stats.rounds += 1
                 stats.draft_tokens += len(draft.token_ids)
                 stats.accepted_tokens += len(reply.accepted_nodes)

@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 
 import grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from specedge.registry import resolve
+from specedge.scheduler import slots_within_budget
+from specedge.tokens import IncompatibleTokenizer, check_compatible
 from specedge.server.engine import Engine, EngineConfig
 from specedge.server.loading import load_target
+from specedge.server.metrics import start_metrics_server, stop_metrics_server
 from specedge.server.runner import KVCache, ModelRunner
+from specedge.server.server_draft import ServerDrafter
 from specedge.server.service import SpecEdgeService
-from specedge.v1 import specedge_pb2_grpc
+from specedge.server.stats import ServerStats
+from specedge.v1 import specedge_pb2, specedge_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_MESSAGE_BYTES = 4 << 20
+SERVICE_NAME = specedge_pb2.DESCRIPTOR.services_by_name["SpecEdge"].full_name  # "specedge.v1.SpecEdge"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +40,22 @@ class ServerConfig:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
     max_context: int | None = None  # default: min(4096, the model's max positions)
     engine: EngineConfig = EngineConfig()
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off, 0 picks a free port
+    metrics_host: str | None = None  # default: same as host
+    # KV memory budget in GiB; slots beyond it are not created. None: 90% of free
+    # GPU memory after the weights, or half the available RAM on CPU.
+    kv_cache_gb: float | None = None
+    # A draft model on the server itself, for server-side speculative decoding
+    # (the baseline; edges bring their own drafts).
+    draft_model: str | None = None
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(_DTYPES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port must be in 0..65535, got {self.metrics_port}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -53,7 +72,7 @@ class ServerConfig:
 
 
 class SpecEdgeServer:
-    """Owns the engine and the gRPC server; `await start()`, then `await stop()`."""
+    """Owns the engine, the gRPC server and the stats; `await start()`, then `await stop()`."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -62,16 +81,45 @@ class SpecEdgeServer:
         started = time.monotonic()
         target = load_target(resolve(config.model), device=device, dtype=dtype)
         max_context = min(config.max_context or 4096, target.model.args.max_position_embeddings)
-        engine_config = dataclasses.replace(config.engine, max_context=max_context)
-        kv = KVCache(target.model, num_slots=engine_config.max_sessions, max_len=max_context, device=device, dtype=dtype)
+        draft = None
+        if config.draft_model is not None:
+            draft = load_target(resolve(config.draft_model), device=device, dtype=dtype)
+            try:
+                check_compatible(draft.fingerprint, target.fingerprint)
+            except IncompatibleTokenizer as exc:
+                raise ValueError(f"--draft-model {config.draft_model} cannot draft for {config.model}: {exc}") from None
+        models = [target] if draft is None else [target, draft]
+        bytes_per_slot = sum(KVCache.bytes_per_token_for(m.model, dtype) for m in models) * max_context
+        budget = _kv_budget_bytes(config.kv_cache_gb, device)
+        num_slots = slots_within_budget(
+            requested=config.engine.max_sessions, bytes_per_slot=bytes_per_slot, budget_bytes=budget
+        )
+        if num_slots < config.engine.max_sessions:
+            log.warning(
+                "KV budget of %.2f GiB holds %d of the %d sessions asked for; the rest are refused with "
+                "RESOURCE_EXHAUSTED", budget / 2**30, num_slots, config.engine.max_sessions,
+            )  # fmt: skip
+        engine_config = dataclasses.replace(config.engine, max_context=max_context, max_sessions=num_slots)
+        kv = KVCache(target.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
         log.info(
             "loaded %s on %s (%s) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
             target.name, device, dtype, time.monotonic() - started, kv.num_slots, kv.max_len,
-            kv.bytes_per_token * kv.num_slots * kv.max_len / 2**30,
+            bytes_per_slot * kv.num_slots / 2**30,
         )  # fmt: skip
-        self.engine = Engine(ModelRunner(target.model, kv), target, engine_config)
+        self.stats = ServerStats()  # the engine reports here; metrics.py exports it
+        self.stats.set_sessions(active=0, slots_used=0, slots_free=kv.num_slots)
+        server_drafter = None
+        if draft is not None:
+            draft_kv = KVCache(draft.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
+            server_drafter = ServerDrafter(ModelRunner(draft.model, draft_kv))
+        self.engine = Engine(
+            ModelRunner(target.model, kv), target, engine_config, stats=self.stats, server_drafter=server_drafter
+        )
         self._grpc: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._metrics = None  # the metrics HTTP server, when metrics_port is set
         self.port: int | None = None
+        self.metrics_port: int | None = None
 
     async def start(self) -> str:
         await self.engine.start()
@@ -81,13 +129,46 @@ class SpecEdgeServer:
         ]
         self._grpc = grpc.aio.server(options=options)
         specedge_pb2_grpc.add_SpecEdgeServicer_to_server(SpecEdgeService(self.engine), self._grpc)
+        # Load balancers and `grpc_health_probe` ask "" (the whole server) or the service by name.
+        self._health = health.aio.HealthServicer()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port} (in use?)")
+        if self.config.metrics_port is not None:
+            metrics_host = self.config.metrics_host or self.config.host
+            self._metrics, self.metrics_port = start_metrics_server(self.stats, metrics_host, self.config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", metrics_host, self.metrics_port)
         await self._grpc.start()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return f"{self.config.host}:{self.port}"
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self._health is not None:
+            # Tell health checkers first, so balancers drain us during the grace period.
+            await self._health.enter_graceful_shutdown()
         if self._grpc is not None:
             await self._grpc.stop(grace)
         await self.engine.stop()
+        if self._metrics is not None:
+            await asyncio.to_thread(stop_metrics_server, self._metrics)
+            self._metrics = None
+
+
+def _kv_budget_bytes(kv_cache_gb: float | None, device: torch.device) -> int | None:
+    """The KV budget: explicit, else a share of what the device has free now."""
+    if kv_cache_gb is not None:
+        return int(kv_cache_gb * 2**30)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    try:  # Linux: the kernel's estimate of memory available without swapping
+        with open("/proc/meminfo") as meminfo:
+            available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+        return available_kib * 1024 // 2
+    except (OSError, StopIteration, ValueError):
+        return None

@@ -21,7 +21,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-sessions", type=int, default=8, help="KV slots, i.e. concurrent sessions")
     parser.add_argument("--max-context", type=int, default=None, help="tokens per session (default 4096)")
     parser.add_argument("--max-draft-tokens", type=int, default=64, help="draft nodes accepted per round")
+    parser.add_argument(
+        "--draft-model", default=None,
+        help="a draft model on the server, for server-side speculative decoding (the baseline)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-gb", type=float, default=None,
+        help="KV memory budget; sessions beyond it get RESOURCE_EXHAUSTED (default: 90%% of free GPU memory, "
+        "or half the available RAM)",
+    )  # fmt: skip
     parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is closed")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default off)")
+    parser.add_argument("--metrics-host", default=None, help="address for /metrics (default: --host)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -36,6 +47,10 @@ async def _serve(args: argparse.Namespace) -> None:
         device=args.device,
         dtype=args.dtype,
         max_context=args.max_context,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        kv_cache_gb=args.kv_cache_gb,
+        draft_model=args.draft_model,
         engine=EngineConfig(
             max_sessions=args.max_sessions, max_draft_tokens=args.max_draft_tokens, idle_timeout_s=args.idle_timeout
         ),

@@ -1,9 +1,10 @@
 """The server engine: sessions in, batched forwards out, one step at a time.
 
 `step()` reads schedule -> run -> postprocess. The asyncio side (RPC
-handlers) validates a request, queues one work item per session and awaits
-its future; a single engine thread runs every forward, so the KV cache has
-exactly one writer. Work from any number of sessions shares a forward.
+handlers) validates a request, queues the session's work and awaits its
+future; the batcher (pure Python) plans each step from whatever is queued,
+and a single engine thread runs every forward, so the KV cache has exactly
+one writer. A round that arrives while a forward runs joins the next one.
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, SlotAllocator, WorkItem
+from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, PrefillChunk, SlotAllocator, StepPlan
+from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig
 from specedge.server import errors, tree
 from specedge.server.loading import Target
 from specedge.server.runner import ForwardRequest, ModelRunner
 from specedge.server.sampling import sample
+from specedge.server.server_draft import DraftRow, ServerDrafter
 from specedge.server.session import Session
-from specedge.types import FinishReason, SamplingParams
+from specedge.server.stats import ServerStats
 from specedge.server.verify import verify_by_sampling
+from specedge.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1.0  # hint given with RESOURCE_EXHAUSTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +41,7 @@ class EngineConfig:
     max_draft_tokens: int = 64  # draft nodes per verify round
     idle_timeout_s: float = 600.0  # sessions untouched this long are closed and their slot freed
     batcher: BatcherConfig = BatcherConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
 
     def __post_init__(self):
         if self.max_sessions < 1 or self.max_context < 2 or self.max_draft_tokens < 0 or self.idle_timeout_s <= 0:
@@ -42,39 +49,60 @@ class EngineConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RoundTiming:
+    queue_s: float  # from queueing to the start of the forward it rode in
+    forward_s: float
+    batch_size: int
+    batch_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundOutcome:
-    accepted_nodes: tuple[int, ...]
+    accepted_nodes: tuple[int, ...]  # committed draft nodes, root to leaf
     token_ids: list[int]  # committed this round, cut at a stop
     finish: FinishReason
     num_generated: int
+    advised_draft_tokens: int
+    timing: RoundTiming
 
 
 @dataclasses.dataclass(eq=False)
 class _Work:
+    """A session's one queued piece of work: a prefill, or a round (pending token + drafts)."""
+
     session: Session
-    request: ForwardRequest
     future: asyncio.Future
+    queued_at: float  # time.monotonic()
+    is_prefill: bool = False
     draft_token_ids: tuple[int, ...] = ()
     draft_parents: tuple[int, ...] = ()
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.request.num_cached == 0
+    server_draft_tokens: int = 0  # > 0: the server drafts this round itself (baseline)
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, target: Target, config: EngineConfig):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target: Target,
+        config: EngineConfig,
+        stats: ServerStats | None = None,
+        server_drafter: ServerDrafter | None = None,
+    ):
         self.runner = runner
+        self.server_drafter = server_drafter
         self.target = target
         self.config = config
+        self.stats = stats or ServerStats()
         self.vocab_size = target.model.args.vocab_size
         self.sessions: dict[str, Session] = {}
         self.slots = SlotAllocator(config.max_sessions)
-        self.batcher: Batcher[_Work] = Batcher(config.batcher)
+        self.batcher = Batcher(config.batcher)
+        self._work: dict[str, _Work] = {}
+        self._leases: dict[str, int] = {}  # owner -> open Attach streams
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specedge-engine")
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self.num_forwards = 0
+        self.load = 0.0  # busy share of the step token budget, smoothed
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -103,25 +131,27 @@ class Engine:
         try:
             slot = self.slots.acquire()
         except NoFreeSlot as exc:
-            raise errors.ResourceExhausted(f"{exc}; retry later or ask the operator for more --max-sessions") from None
+            self.stats.observe_rejected_session()
+            raise errors.ResourceExhausted(
+                f"{exc} (the KV memory budget); retry in {RETRY_AFTER_S:.0f} s or ask the operator for more",
+                retry_after_s=RETRY_AFTER_S,
+            ) from None
         session = Session(
             id=secrets.token_urlsafe(18),
             owner=owner,
             slot=slot,
-            prompt_len=len(prompt),
+            prompt=tuple(prompt),
             max_new_tokens=max_new_tokens or self.config.max_context - len(prompt),
             max_context=self.config.max_context,
             sampling=sampling,
             seed=secrets.randbits(63) if seed is None else seed,
             eos_token_ids=self.target.eos_token_ids,
+            speculation=SessionSpeculation(self.config.speculation),
         )
         self.sessions[session.id] = session
-        request = ForwardRequest(slot, 0, tuple(prompt), all_logits=False)
-        try:
-            outcome = await self._submit(_Work(session, request, asyncio.get_running_loop().create_future()))
-        except BaseException:
-            self.close_session(owner, session.id)
-            raise
+        self._update_session_gauges()
+        self.batcher.add_prefill(session.id, len(prompt))
+        outcome = await self._await_work(_Work(session, self._new_future(), time.monotonic(), is_prefill=True))
         return session, outcome
 
     async def verify(
@@ -135,7 +165,7 @@ class Engine:
         session = self._owned(owner, session_id)
         if session.finish is not FinishReason.NONE:
             raise errors.FailedPrecondition(f"session already finished ({session.finish.name.lower()}); open a new one")
-        if session.busy:
+        if session.id in self._work:
             raise errors.FailedPrecondition("a verify round for this session is already in flight; wait for its reply")
         if num_generated != len(session.generated):
             raise errors.FailedPrecondition(
@@ -157,35 +187,65 @@ class Engine:
         # Nodes beyond the slot's remaining room are dropped; children come after
         # their parents, so what is left is still a tree.
         room = session.draft_room
-        drafts, parents = tuple(draft_token_ids[:room]), parents[:room]
-        is_chain = parents == tree.chain_parents(len(drafts) + 1)
-        request = ForwardRequest(
-            session.slot,
-            session.num_cached,
-            (session.pending_token, *drafts),
-            tree_parents=None if is_chain else parents,
+        work = _Work(
+            session,
+            self._new_future(),
+            time.monotonic(),
+            draft_token_ids=tuple(draft_token_ids[:room]),
+            draft_parents=parents[:room],
         )
-        work = _Work(session, request, asyncio.get_running_loop().create_future(), drafts, parents)
-        return await self._submit(work)
+        self.batcher.add_round(session.id, 1 + len(work.draft_token_ids))
+        return await self._await_work(work)
 
     def close_session(self, owner: str, session_id: str) -> None:
-        session = self._owned(owner, session_id)
-        del self.sessions[session_id]
-        self.slots.release(session.slot)
+        self._close(self._owned(owner, session_id))
+
+    def attach(self, owner: str) -> None:
+        """`owner`'s connection holds a lease (see the Attach RPC)."""
+        self._leases[owner] = self._leases.get(owner, 0) + 1
+
+    def detach(self, owner: str) -> None:
+        """A lease ended; when it was the connection's last, close its sessions."""
+        self._leases[owner] -= 1
+        if self._leases[owner] == 0:
+            del self._leases[owner]
+            orphans = [s for s in self.sessions.values() if s.owner == owner]
+            if orphans:
+                log.info("connection %s went away; closing its %d sessions", owner, len(orphans))
+            for session in orphans:
+                self._close(session)
 
     async def generate(
-        self, owner: str, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None
+        self,
+        owner: str,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        server_draft_tokens: int = 0,
     ) -> AsyncIterator[RoundOutcome]:
-        """Target-only decoding: a session whose rounds carry no drafts."""
+        """Server-side generation: target-only decoding, or with the server's own draft model."""
+        if server_draft_tokens and self.server_drafter is None:
+            raise errors.FailedPrecondition("this server has no draft model; start it with --draft-model NAME")
+        if server_draft_tokens > self.config.max_draft_tokens:
+            raise errors.InvalidArgument(
+                f"server_draft_tokens {server_draft_tokens} exceeds max_draft_tokens {self.config.max_draft_tokens}"
+            )
         session, outcome = await self.open_session(owner, prompt, max_new_tokens, sampling, seed)
         try:
             yield outcome
             while outcome.finish is FinishReason.NONE:
-                outcome = await self.verify(owner, session.id, (), (), len(session.generated))
+                if server_draft_tokens:
+                    num_draft = min(server_draft_tokens, session.draft_room)
+                    work = _Work(session, self._new_future(), time.monotonic(), server_draft_tokens=num_draft)
+                    self.batcher.add_round(session.id, 1 + num_draft)
+                    outcome = await self._await_work(work)
+                else:
+                    outcome = await self.verify(owner, session.id, (), (), len(session.generated))
                 yield outcome
         finally:
             if session.id in self.sessions:
-                self.close_session(owner, session.id)
+                self._close(session)
 
     # -- internals -----------------------------------------------------------
 
@@ -197,67 +257,145 @@ class Engine:
             raise errors.PermissionDenied("this session belongs to another connection")
         return session
 
+    def _close(self, session: Session) -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        self.batcher.remove(session.id)
+        work = self._work.pop(session.id, None)
+        if work is not None and not work.future.done():
+            work.future.set_exception(errors.NotFound("session was closed while its work was queued"))
+        self.slots.release(session.slot)
+        self._update_session_gauges()
+
+    def _update_session_gauges(self) -> None:
+        used = self.slots.num_slots - self.slots.num_free
+        self.stats.set_sessions(active=len(self.sessions), slots_used=used, slots_free=self.slots.num_free)
+
     def _check_token_ids(self, token_ids: Sequence[int], what: str) -> None:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise errors.InvalidArgument(f"{what} token id {bad} is out of range for vocab size {self.vocab_size}")
 
-    async def _submit(self, work: _Work) -> RoundOutcome:
-        work.session.busy = True
-        self.batcher.submit(WorkItem(len(work.request.token_ids), work))
+    def _new_future(self) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
+
+    async def _await_work(self, work: _Work) -> RoundOutcome:
+        session = work.session
+        self._work[session.id] = work
         self._wakeup.set()
         try:
             return await work.future
+        except asyncio.CancelledError:
+            # The edge went away mid-round (disconnect, cancel, deadline): its
+            # session cannot continue coherently, so free the slot now.
+            log.info("session %s cancelled by its client; freeing its slot", session.id[:8])
+            self._close(session)
+            raise
+        except BaseException:
+            if work.is_prefill:  # a failed prefill leaves nothing usable
+                self._close(session)
+            raise
         finally:
-            work.session.busy = False
-            work.session.last_used = time.monotonic()
+            if self._work.get(session.id) is work:
+                del self._work[session.id]
+            session.last_used = time.monotonic()
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while batch := [item.payload for item in self.batcher.take_batch()]:
-                # Work whose caller gave up, or whose session was closed meanwhile, must
-                # not run: its slot may already belong to someone else.
-                for work in batch:
-                    if not work.future.done() and self.sessions.get(work.session.id) is not work.session:
-                        work.future.set_exception(errors.NotFound("session was closed while its round was queued"))
-                batch = [w for w in batch if not w.future.done()]
-                if not batch:
-                    continue
+            while True:
+                planned_at = time.perf_counter()
+                plan = self.batcher.plan_step()
+                if not plan:
+                    break
+                rows = self._rows(plan)
+                schedule_s = time.perf_counter() - planned_at
                 try:
-                    outcomes = await loop.run_in_executor(self._executor, self.step, batch)
+                    outcomes = await loop.run_in_executor(self._executor, self.step, rows, schedule_s)
                 except Exception as exc:  # the forward itself failed: every row fails alike
                     log.exception("batched forward failed")
-                    outcomes = [exc] * len(batch)
-                for work, outcome in zip(batch, outcomes):
-                    if work.future.done():
+                    outcomes = [exc] * len(rows)
+                for (work, _), outcome in zip(rows, outcomes):
+                    if work.future.done() or outcome is None:
                         continue
                     if isinstance(outcome, Exception):
                         work.future.set_exception(outcome)
                     else:
                         work.future.set_result(outcome)
 
-    def step(self, batch: list[_Work]) -> list[RoundOutcome | Exception]:
-        """One batched forward, then each row's verification and commit. Engine thread only."""
-        logits = self.runner.forward([w.request for w in batch])
-        self.num_forwards += 1
-        outcomes: list[RoundOutcome | Exception] = []
-        for work, row_logits in zip(batch, logits):
+    def _rows(self, plan: StepPlan) -> list[tuple[_Work, PrefillChunk | None]]:
+        return [(self._work[key], None) for key in plan.rounds] + [
+            (self._work[chunk.key], chunk) for chunk in plan.prefills
+        ]
+
+    def _request(self, work: _Work, chunk: PrefillChunk | None) -> ForwardRequest:
+        session = work.session
+        if chunk is not None:
+            tokens = session.prompt[chunk.start : chunk.start + chunk.num_tokens]
+            return ForwardRequest(session.slot, chunk.start, tokens, all_logits=False)
+        is_chain = work.draft_parents == tree.chain_parents(len(work.draft_token_ids) + 1)
+        return ForwardRequest(
+            session.slot,
+            session.num_cached,
+            (session.pending_token, *work.draft_token_ids),
+            tree_parents=None if is_chain else work.draft_parents,
+        )
+
+    def _draft_on_server(self, works: list[_Work]) -> None:
+        """Fill in the drafts of server-drafted rounds, batched across them."""
+        rows = []
+        for work in works:
+            context = (*work.session.prompt, *work.session.generated)
+            rows.append(DraftRow(work.session.slot, work.session.draft_cached, context[work.session.draft_cached :]))
+        drafts = self.server_drafter.propose(rows, max(w.server_draft_tokens for w in works))
+        for work, draft in zip(works, drafts):
+            work.draft_token_ids = tuple(draft[: work.server_draft_tokens])
+            work.draft_parents = tree.chain_parents(len(work.draft_token_ids) + 1)
+
+    def step(self, rows, schedule_s: float) -> list[RoundOutcome | Exception | None]:
+        """One batched forward, then each row's verification and commit. Engine thread only.
+
+        A row's outcome is None for a prefill chunk that is not its prompt's last.
+        """
+        started = time.monotonic()
+        server_drafted = [work for work, chunk in rows if chunk is None and work.server_draft_tokens]
+        if server_drafted:
+            self._draft_on_server(server_drafted)
+        requests = [self._request(work, chunk) for work, chunk in rows]
+        logits = self.runner.forward(requests)
+        forward_s = time.monotonic() - started
+        batch_tokens = sum(len(request.token_ids) for request in requests)
+        self.stats.observe_step(
+            batch_size=len(rows), batch_tokens=batch_tokens, forward_s=forward_s, schedule_s=schedule_s
+        )
+        self.load += 0.25 * (min(1.0, batch_tokens / self.config.batcher.max_batch_tokens) - self.load)
+        outcomes: list[RoundOutcome | Exception | None] = []
+        for (work, chunk), row_logits in zip(rows, logits):
+            timing = RoundTiming(max(0.0, started - work.queued_at), forward_s, len(rows), batch_tokens)
             try:
-                outcomes.append(self._postprocess(work, row_logits))
+                if chunk is None:
+                    self.stats.observe_queue_wait(timing.queue_s)
+                    outcomes.append(self._after_round(work, row_logits, timing))
+                else:
+                    outcomes.append(self._after_prefill(work.session, chunk, row_logits, timing))
             except Exception as exc:
                 log.exception("postprocessing session %s failed", work.session.id[:8])
                 outcomes.append(exc)
         return outcomes
 
-    def _postprocess(self, work: _Work, logits) -> RoundOutcome:
+    def _after_prefill(self, session: Session, chunk: PrefillChunk, logits, timing: RoundTiming) -> RoundOutcome | None:
+        session.num_cached = chunk.start + chunk.num_tokens
+        if not chunk.is_last:
+            return None
+        [first] = sample(logits, [session.prompt_len], session.sampling, session.seed)
+        kept = session.commit([first], num_new_cached=0)
+        self.stats.observe_prefill(num_prompt_tokens=session.prompt_len)
+        return RoundOutcome((), kept, session.finish, len(session.generated), self._advise(session), timing)
+
+    def _after_round(self, work: _Work, logits, timing: RoundTiming) -> RoundOutcome:
         session = work.session
-        if work.is_prefill:
-            [first] = sample(logits, [session.prompt_len], session.sampling, session.seed)
-            kept = session.commit([first], num_new_cached=session.prompt_len)
-            return RoundOutcome((), kept, session.finish, len(session.generated))
         # The pending token sits at sequence index num_context - 1; the sample
         # after a node of depth d lands at num_context + d.
         depths = tree.depths(work.draft_parents)
@@ -265,9 +403,20 @@ class Engine:
         result = verify_by_sampling(work.draft_token_ids, work.draft_parents, samples)
         self._compact_path(session, result.accepted_nodes)
         tokens = [work.draft_token_ids[node - 1] for node in result.accepted_nodes] + [result.next_token]
+        if work.server_draft_tokens:
+            # The draft cache holds the context plus every draft but the last.
+            session.draft_cached = session.num_context + min(len(result.accepted_nodes), len(work.draft_token_ids) - 1)
         kept = session.commit(tokens, num_new_cached=1 + len(result.accepted_nodes))
         # Report only drafts that were committed (a stop or the length limit may cut the path).
-        return RoundOutcome(result.accepted_nodes[: len(kept)], kept, session.finish, len(session.generated))
+        accepted = result.accepted_nodes[: len(kept)]
+        session.speculation.observe(len(work.draft_token_ids), len(result.accepted_nodes))
+        self.stats.observe_round(
+            num_draft_tokens=len(work.draft_token_ids), accepted_depth=len(accepted), num_committed=len(kept)
+        )
+        return RoundOutcome(accepted, kept, session.finish, len(session.generated), self._advise(session), timing)
+
+    def _advise(self, session: Session) -> int:
+        return min(session.speculation.next_advice(self.load), self.config.max_draft_tokens)
 
     def _compact_path(self, session: Session, accepted_nodes: tuple[int, ...]) -> None:
         """Make the accepted path's KV contiguous after the pending token (a no-op for chains)."""
@@ -281,6 +430,6 @@ class Engine:
         while True:
             await asyncio.sleep(period)
             deadline = time.monotonic() - self.config.idle_timeout_s
-            for session in [s for s in self.sessions.values() if not s.busy and s.last_used < deadline]:
+            for session in [s for s in self.sessions.values() if s.id not in self._work and s.last_used < deadline]:
                 log.info("closing session %s after %.0f s idle", session.id[:8], self.config.idle_timeout_s)
-                self.close_session(session.owner, session.id)
+                self._close(session)

@@ -12,6 +12,10 @@ import grpc
 class ServiceError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # sent as the `retry-after-ms` trailer
+
 
 class InvalidArgument(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT

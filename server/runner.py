@@ -43,9 +43,10 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
 
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * sum(t[0, 0].numel() * t.element_size() for t in self.k)
+    @staticmethod
+    def bytes_per_token_for(model: CausalLM, dtype: torch.dtype) -> int:
+        args = model.args
+        return 2 * args.num_layers * args.num_kv_heads * args.head_dim * torch.finfo(dtype).bits // 8
 
     def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy KV rows src -> dst within one slot (tree paths made contiguous)."""

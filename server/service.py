@@ -7,6 +7,7 @@ reaches that request alone.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -29,6 +30,8 @@ def _statuses(handler):
 
     async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext):
         if isinstance(exc, errors.ServiceError):
+            if exc.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1000))),))
             await context.abort(exc.code, str(exc))
         if "out of memory" in str(exc).lower():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server ran out of memory; retry later")
@@ -118,6 +121,7 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
             first_token_id=outcome.token_ids[0],
             finish_reason=wire.finish_to_proto(outcome.finish),
             limits=self._limits(),
+            advised_draft_tokens=outcome.advised_draft_tokens,
         )
 
     @_statuses
@@ -129,12 +133,7 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
             list(request.draft_parents),
             request.num_generated,
         )
-        return pb.VerifyResponse(
-            accepted_nodes=outcome.accepted_nodes,
-            token_ids=outcome.token_ids,
-            finish_reason=wire.finish_to_proto(outcome.finish),
-            num_generated=outcome.num_generated,
-        )
+        return wire.round_to_proto(outcome)
 
     @_statuses
     async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
@@ -146,10 +145,24 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
         self._check_tokenizer(request.tokenizer)
         sampling, seed = self._sampling(request.sampling)
         outcomes = self.engine.generate(
-            self._owner(context), list(request.prompt_token_ids), request.max_new_tokens, sampling, seed
+            self._owner(context),
+            list(request.prompt_token_ids),
+            request.max_new_tokens,
+            sampling,
+            seed,
+            server_draft_tokens=request.server_draft_tokens,
         )
         async for outcome in outcomes:
             yield _generate_reply(outcome)
+
+    async def Attach(self, request: pb.AttachRequest, context):
+        owner = self._owner(context)
+        self.engine.attach(owner)
+        try:
+            await asyncio.Event().wait()  # until the client goes away or the server stops
+            yield pb.ServerNotice()  # never reached; makes this an async generator
+        finally:
+            self.engine.detach(owner)
 
 
 def _generate_reply(outcome: RoundOutcome) -> pb.GenerateResponse:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from specedge.scheduler.speculation import SessionSpeculation
 from specedge.types import FinishReason, SamplingParams
 
 
@@ -23,17 +24,22 @@ class Session:
     id: str
     owner: str  # the connection (or identity) that opened it; only it may drive it
     slot: int
-    prompt_len: int
+    prompt: tuple[int, ...]
     max_new_tokens: int
     max_context: int
     sampling: SamplingParams
     seed: int
     eos_token_ids: frozenset[int]
+    speculation: SessionSpeculation
     generated: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0
+    num_cached: int = 0  # tokens whose KV is in the slot
+    draft_cached: int = 0  # tokens whose KV is in the server draft model's slot (server-side drafting only)
     finish: FinishReason = FinishReason.NONE
-    busy: bool = False  # a round is queued or running
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
 
     @property
     def pending_token(self) -> int:

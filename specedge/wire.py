@@ -45,3 +45,21 @@ def finish_to_proto(reason: FinishReason) -> int:
 
 def finish_from_proto(value: int) -> FinishReason:
     return FinishReason(value)
+
+
+def round_to_proto(outcome) -> pb.VerifyResponse:
+    """A server-side RoundOutcome (server/engine.py) as the wire reply."""
+    timing = outcome.timing
+    return pb.VerifyResponse(
+        accepted_nodes=outcome.accepted_nodes,
+        token_ids=outcome.token_ids,
+        finish_reason=finish_to_proto(outcome.finish),
+        num_generated=outcome.num_generated,
+        advised_draft_tokens=outcome.advised_draft_tokens,
+        timing=pb.RoundTiming(
+            queue_ms=timing.queue_s * 1e3,
+            forward_ms=timing.forward_s * 1e3,
+            batch_size=timing.batch_size,
+            batch_tokens=timing.batch_tokens,
+        ),
+    )

@@ -64,12 +64,14 @@ class Edge:
         return await self.stub.Verify(request)
 
 
-async def status_of(coro) -> tuple[grpc.StatusCode, str]:
+async def status_of(coro, *, with_trailers: bool = False):
     try:
         await coro
     except grpc.aio.AioRpcError as exc:
+        if with_trailers:
+            return exc.code(), exc.details(), dict(exc.trailing_metadata() or ())
         return exc.code(), exc.details()
-    return grpc.StatusCode.OK, ""
+    return (grpc.StatusCode.OK, "", {}) if with_trailers else (grpc.StatusCode.OK, "")
 
 
 def test_bad_requests_fail_alone(server, fingerprint, expected):
@@ -140,16 +142,17 @@ def test_session_limit_is_resource_exhausted_and_close_frees_a_slot(server, fing
     async def run():
         edge = Edge(server.address, fingerprint)
         sessions = [await edge.open() for _ in range(MAX_SESSIONS)]
-        full = await status_of(edge.open())
+        full = await status_of(edge.open(), with_trailers=True)
         await edge.stub.CloseSession(pb.CloseSessionRequest(session_id=sessions[0].session_id))
         reopened = await edge.open()
         for opened in [*sessions[1:], reopened]:
             await edge.stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
         return full
 
-    code, details = asyncio.run(run())
+    code, details, trailers = asyncio.run(run())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"all {MAX_SESSIONS} session slots are in use" in details
+    assert f"all {MAX_SESSIONS} session slots are in use" in details and "retry in" in details
+    assert int(trailers["retry-after-ms"]) > 0
     assert server.server.engine.slots.num_free == MAX_SESSIONS
 
 

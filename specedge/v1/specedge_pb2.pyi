@@ -18,6 +18,16 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CONTEXT: FinishReason
 
+class AttachRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerNotice(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
 class TokenizerFingerprint(_message.Message):
     __slots__ = ("vocab_size", "num_tokens", "vocab_sha256", "bos_token_id", "eos_token_ids")
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -91,40 +101,68 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "first_token_id", "finish_reason", "limits")
+    __slots__ = ("session_id", "first_token_id", "finish_reason", "limits", "advised_draft_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    ADVISED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token_id: int
     finish_reason: FinishReason
     limits: ServerLimits
-    def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ...) -> None: ...
+    advised_draft_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., advised_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "draft_token_ids", "draft_parents", "num_generated")
+    __slots__ = ("session_id", "draft_token_ids", "draft_parents", "num_generated", "draft_probs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     num_generated: int
-    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, session_id: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class RoundTiming(_message.Message):
+    __slots__ = ("queue_ms", "forward_ms", "batch_size", "batch_tokens")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    forward_ms: float
+    batch_size: int
+    batch_tokens: int
+    def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "token_ids", "finish_reason", "num_generated")
+    __slots__ = ("accepted_nodes", "token_ids", "finish_reason", "num_generated", "advised_draft_tokens", "timing")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    ADVISED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     num_generated: int
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+    advised_draft_tokens: int
+    timing: RoundTiming
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_generated: _Optional[int] = ..., advised_draft_tokens: _Optional[int] = ..., timing: _Optional[_Union[RoundTiming, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -137,16 +175,18 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("tokenizer", "prompt_token_ids", "max_new_tokens", "sampling")
+    __slots__ = ("tokenizer", "prompt_token_ids", "max_new_tokens", "sampling", "server_draft_tokens")
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SERVER_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokenizer: TokenizerFingerprint
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     sampling: SamplingParams
-    def __init__(self, tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    server_draft_tokens: int
+    def __init__(self, tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., server_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason")

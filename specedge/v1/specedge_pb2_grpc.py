@@ -59,6 +59,11 @@ class SpecEdgeStub:
                 request_serializer=specedge_dot_v1_dot_specedge__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specedge_dot_v1_dot_specedge__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/specedge.v1.SpecEdge/Attach',
+                request_serializer=specedge_dot_v1_dot_specedge__pb2.AttachRequest.SerializeToString,
+                response_deserializer=specedge_dot_v1_dot_specedge__pb2.ServerNotice.FromString,
+                _registered_method=True)
 
 
 class SpecEdgeServicer:
@@ -100,6 +105,17 @@ class SpecEdgeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """The connection's lease: an edge keeps this stream open while it is
+        connected. When it breaks (the edge exits, crashes or loses the network),
+        the server closes every session the connection opened and frees their
+        slots at once instead of waiting for the idle timeout. The server may
+        send notices on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpecEdgeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +143,11 @@ def add_SpecEdgeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specedge_dot_v1_dot_specedge__pb2.GenerateRequest.FromString,
                     response_serializer=specedge_dot_v1_dot_specedge__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=specedge_dot_v1_dot_specedge__pb2.AttachRequest.FromString,
+                    response_serializer=specedge_dot_v1_dot_specedge__pb2.ServerNotice.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +285,33 @@ class SpecEdge:
             '/specedge.v1.SpecEdge/Generate',
             specedge_dot_v1_dot_specedge__pb2.GenerateRequest.SerializeToString,
             specedge_dot_v1_dot_specedge__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specedge.v1.SpecEdge/Attach',
+            specedge_dot_v1_dot_specedge__pb2.AttachRequest.SerializeToString,
+            specedge_dot_v1_dot_specedge__pb2.ServerNotice.FromString,
             options,
             channel_credentials,
             insecure,

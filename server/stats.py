@@ -1,0 +1,123 @@
+"""The server's counters and gauges: a plain object the engine feeds through `observe_*`.
+
+Exporters (Prometheus, see server/metrics.py) read it; nothing here knows
+about them. Meanings follow vLLM where they overlap:
+
+- a *draft* is one verify round that carried at least one draft token;
+- acceptance rate = num_accepted_tokens / num_draft_tokens;
+- mean acceptance length = 1 + num_accepted_tokens / num_drafts;
+- num_accepted_tokens_per_pos[i]: rounds whose draft token at depth i+1 was
+  accepted (for trees: the accepted path's depth).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import threading
+
+
+@dataclasses.dataclass
+class Histogram:
+    """Histogram with per-bucket counts (the last bucket is +Inf); exporters accumulate them."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = dataclasses.field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
+        self.counts[index] += 1
+        self.total += value
+        self.count += 1
+
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class ServerStats:
+    """Thread-safe: the engine thread and the event loop both report."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos: collections.Counter[int] = collections.Counter()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_rounds = 0  # verify rounds, drafts or not
+        self.num_steps = 0
+        self.active_sessions = 0
+        self.kv_slots_used = 0
+        self.kv_slots_free = 0
+        self.queue_wait_s = Histogram(_SECONDS)
+        self.forward_s = Histogram(_SECONDS)
+        self.schedule_s = Histogram(_SECONDS)
+        self.batch_size = Histogram(_SIZES)
+        self.batch_tokens = Histogram(_SIZES)
+        self.sessions_rejected = 0
+
+    def observe_round(self, *, num_draft_tokens: int, accepted_depth: int, num_committed: int) -> None:
+        with self._lock:
+            self.num_rounds += 1
+            self.num_generated_tokens += num_committed
+            if num_draft_tokens:
+                self.num_drafts += 1
+                self.num_draft_tokens += num_draft_tokens
+                self.num_accepted_tokens += accepted_depth
+                for position in range(accepted_depth):
+                    self.num_accepted_tokens_per_pos[position] += 1
+
+    def observe_prefill(self, *, num_prompt_tokens: int) -> None:
+        with self._lock:
+            self.num_prompt_tokens += num_prompt_tokens
+            self.num_generated_tokens += 1  # the first token comes with the prefill
+
+    def observe_step(self, *, batch_size: int, batch_tokens: int, forward_s: float, schedule_s: float) -> None:
+        with self._lock:
+            self.num_steps += 1
+            self.batch_size.observe(batch_size)
+            self.batch_tokens.observe(batch_tokens)
+            self.forward_s.observe(forward_s)
+            self.schedule_s.observe(schedule_s)
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.queue_wait_s.observe(seconds)
+
+    def observe_rejected_session(self) -> None:
+        with self._lock:
+            self.sessions_rejected += 1
+
+    def set_sessions(self, *, active: int, slots_used: int, slots_free: int) -> None:
+        with self._lock:
+            self.active_sessions, self.kv_slots_used, self.kv_slots_free = active, slots_used, slots_free
+
+    def snapshot(self) -> dict:
+        """A consistent copy for exporters."""
+        with self._lock:
+            return {
+                "num_drafts": self.num_drafts,
+                "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": dict(self.num_accepted_tokens_per_pos),
+                "num_generated_tokens": self.num_generated_tokens,
+                "num_prompt_tokens": self.num_prompt_tokens,
+                "num_rounds": self.num_rounds,
+                "num_steps": self.num_steps,
+                "active_sessions": self.active_sessions,
+                "kv_slots_used": self.kv_slots_used,
+                "kv_slots_free": self.kv_slots_free,
+                "sessions_rejected": self.sessions_rejected,
+                **{
+                    name: copy.deepcopy(getattr(self, name))
+                    for name in ("queue_wait_s", "forward_s", "schedule_s", "batch_size", "batch_tokens")
+                },
+            }

@@ -1,0 +1,292 @@
+"""One server, many edges: interleaved verification stays lossless, fair and leak-free."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from transformers import AutoModelForCausalLM
+
+from harness import ServerThread
+from reference import greedy_decode
+from specedge import wire
+from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.tokenizer import HFTokenizer
+from specedge.scheduler import BatcherConfig
+from specedge.server.app import ServerConfig
+from specedge.server.engine import EngineConfig
+from specedge.types import SamplingParams
+from specedge.v1 import specedge_pb2 as pb
+
+MAX_NEW = 32
+SAMPLED = SamplingParams(temperature=0.8, top_k=40)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target_dir, tiny_draft_dir):
+    engine = EngineConfig(max_sessions=24, batcher=BatcherConfig(max_batch_tokens=96, prefill_reserve=16))
+    config = ServerConfig(
+        model=str(tiny_target_dir), port=0, max_context=320, engine=engine,
+        draft_model=str(tiny_draft_dir), metrics_port=0,
+    )  # fmt: skip
+    with ServerThread(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    return HFTokenizer(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_target_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+
+
+def prompt_for(tokenizer, i: int) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": f"edge number {i}: for i in range({i}):"}])
+
+
+async def tree_generate(client: EdgeClient, prompt, drafter, sampling, seed) -> list[int]:
+    """An edge that sends trees: a decoy branch first, the draft's greedy chain second.
+
+    The accepted path is then usually the second branch, whose KV must be
+    compacted in the slot for the next round to be right.
+    """
+    stub, fingerprint = client._stub, wire.fingerprint_to_proto(client.fingerprint)
+    opened = await stub.OpenSession(
+        pb.OpenSessionRequest(
+            tokenizer=fingerprint, prompt_token_ids=prompt, max_new_tokens=MAX_NEW,
+            sampling=wire.sampling_to_proto(sampling, seed),
+        )
+    )  # fmt: skip
+    tokens = [opened.first_token_id]
+    finish = opened.finish_reason
+    while finish == pb.FINISH_REASON_NONE:
+        context = [*prompt, *tokens]
+        chain = (await asyncio.to_thread(drafter.propose, context, 3)).token_ids
+        decoy = (chain[0] + 1) % 384
+        decoy_chain = (decoy, *(await asyncio.to_thread(drafter.propose, [*context, decoy], 2)).token_ids)
+        drafts = [*decoy_chain, *chain]
+        parents = [0, 1, 2][: len(decoy_chain)] + [0, len(decoy_chain) + 1, len(decoy_chain) + 2][: len(chain)]
+        reply = await stub.Verify(
+            pb.VerifyRequest(
+                session_id=opened.session_id, draft_token_ids=drafts, draft_parents=parents, num_generated=len(tokens)
+            )
+        )
+        tokens += reply.token_ids
+        finish = reply.finish_reason
+    await stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
+    return tokens
+
+
+def test_sixteen_edges_chains_and_trees_greedy_and_sampled(server, tokenizer, tiny_draft_dir, reference_model):
+    kinds = [("chain", None), ("tree", None), ("chain", SAMPLED), ("tree", SAMPLED)] * 4
+    prompts = [prompt_for(tokenizer, i) for i in range(len(kinds))]
+    drafters = [TorchDrafter(tiny_draft_dir) for _ in kinds]
+
+    async def one_edge(i: int, shape: str, sampling: SamplingParams | None):
+        config = EdgeConfig(num_draft=4, max_new_tokens=MAX_NEW, sampling=sampling or SamplingParams(), seed=100 + i)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+            if shape == "tree":
+                return await tree_generate(client, prompts[i], drafters[i], config.sampling, config.seed)
+            return (await client.generate(prompts[i], drafters[i])).token_ids
+
+    async def server_only(i: int, sampling: SamplingParams):
+        config = EdgeConfig(max_new_tokens=MAX_NEW, sampling=sampling, seed=100 + i)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+            return (await client.generate(prompts[i], None)).token_ids
+
+    async def run():
+        edges = asyncio.gather(*(one_edge(i, shape, sampling) for i, (shape, sampling) in enumerate(kinds)))
+        return await edges, await asyncio.gather(
+            *(server_only(i, sampling) for i, (_, sampling) in enumerate(kinds) if sampling is not None)
+        )
+
+    steps_before = server.server.stats.snapshot()["num_steps"]
+    outputs, sampled_alone = asyncio.run(run())
+    sampled_alone = iter(sampled_alone)
+    for i, ((shape, sampling), output) in enumerate(zip(kinds, outputs)):
+        if sampling is None:
+            assert output == greedy_decode(reference_model, prompts[i], MAX_NEW, {2}), (i, shape)
+        else:  # the seeded sampled run reproduces the seeded target-only run exactly
+            assert output == next(sampled_alone), (i, shape)
+    stats = server.server.stats.snapshot()
+    assert stats["batch_size"].total / stats["batch_size"].count > 1.5  # rounds really shared forwards
+    assert stats["num_steps"] > steps_before
+    assert not server.server.engine.sessions
+
+
+def test_server_side_speculation_is_lossless(server, tokenizer, reference_model):
+    prompt = prompt_for(tokenizer, 99)
+
+    async def run():
+        config = EdgeConfig(max_new_tokens=MAX_NEW)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+            request = pb.GenerateRequest(
+                tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=prompt,
+                max_new_tokens=MAX_NEW, server_draft_tokens=4,
+            )  # fmt: skip
+            return [t async for reply in client._stub.Generate(request) for t in reply.token_ids]
+
+    drafts_before = server.server.stats.snapshot()["num_drafts"]
+    tokens = asyncio.run(run())
+    assert tokens == greedy_decode(reference_model, prompt, MAX_NEW, {2})
+    stats = server.server.stats.snapshot()
+    assert stats["num_drafts"] > drafts_before and stats["num_accepted_tokens"] > 0
+
+
+VICTIM = """
+import asyncio, sys
+from specedge.edge_client.client import EdgeClient
+from specedge.edge_client.tokenizer import HFTokenizer
+from specedge.v1 import specedge_pb2 as pb
+from specedge import wire
+
+async def main(address, model_dir):
+    tokenizer = HFTokenizer(model_dir)
+    async with EdgeClient(address, tokenizer.fingerprint) as client:
+        fingerprint = wire.fingerprint_to_proto(tokenizer.fingerprint)
+        opened = await client._stub.OpenSession(
+            pb.OpenSessionRequest(tokenizer=fingerprint, prompt_token_ids=[5, 6, 7], max_new_tokens=200))
+        await client._stub.Verify(pb.VerifyRequest(session_id=opened.session_id, num_generated=1))
+        print("mid-generation", flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def test_killed_edges_free_their_slots_while_others_finish(server, tokenizer, tiny_draft_dir, reference_model):
+    # Real edge processes that die between rounds (SIGKILL: no goodbye, no CloseSession).
+    victims = [
+        subprocess.Popen(
+            [sys.executable, "-c", VICTIM, server.address, str(tiny_draft_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        for _ in range(3)
+    ]
+    for victim in victims:
+        assert victim.stdout.readline().strip() == "mid-generation"
+    engine = server.server.engine
+    assert len(engine.sessions) == len(victims)
+
+    survivors = [prompt_for(tokenizer, 50 + i) for i in range(3)]
+
+    async def survivor(prompt):
+        config = EdgeConfig(num_draft=4, max_new_tokens=MAX_NEW)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+            return (await client.generate(prompt, TorchDrafter(tiny_draft_dir))).token_ids
+
+    async def abandon_sessions(count: int):
+        """Edges that open a session and vanish between rounds (their connection closes)."""
+        for _ in range(count):
+            async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+                await client._stub.OpenSession(
+                    pb.OpenSessionRequest(
+                        tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=[5, 6, 7],
+                        max_new_tokens=50,
+                    )
+                )  # fmt: skip
+
+    async def run():
+        task = asyncio.gather(*(survivor(p) for p in survivors), abandon_sessions(20))
+        await asyncio.sleep(0.3)
+        for victim in victims:
+            victim.send_signal(signal.SIGKILL)
+        return await task
+
+    results = asyncio.run(run())
+    for victim in victims:
+        victim.wait(timeout=10)
+    for prompt, tokens in zip(survivors, results[:3]):
+        assert tokens == greedy_decode(reference_model, prompt, MAX_NEW, {2})
+    deadline = time.monotonic() + 10
+    while (engine.sessions or engine.slots.num_free != engine.slots.num_slots) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.sessions
+    assert engine.slots.num_free == engine.slots.num_slots  # zero leaked slots
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_rounds(server, tokenizer, reference_model):
+    long_prompt = prompt_for(tokenizer, 7) * 6  # ~200 tokens against a 96-token step budget
+    assert len(long_prompt) > 2 * 96
+
+    async def run():
+        config = EdgeConfig(max_new_tokens=8)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+            return (await client.generate(long_prompt, None)).token_ids
+
+    steps_before = server.server.stats.snapshot()["num_steps"]
+    tokens = asyncio.run(run())
+    assert tokens == greedy_decode(reference_model, long_prompt, 8, {2})
+    # At least 3 prefill chunks (96-token budget), then one decode step per token after the first.
+    assert server.server.stats.snapshot()["num_steps"] - steps_before >= 3 + len(tokens) - 1
+
+
+def test_metrics_count_a_scripted_run_exactly(server, tokenizer, reference_model):
+    prompt = prompt_for(tokenizer, 123)
+    expected = greedy_decode(reference_model, prompt, 10, {2})
+    assert len(expected) == 10
+
+    async def run():
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            stub = client._stub
+            opened = await stub.OpenSession(
+                pb.OpenSessionRequest(
+                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=prompt,
+                    max_new_tokens=10,
+                )
+            )  # fmt: skip
+            sid = opened.session_id
+            wrong = (expected[5] + 1) % 384
+            rounds = [expected[1:4], [wrong, 9], []]  # 3 accepted; 0 accepted; no draft
+            replies, generated = [], 1
+            for drafts in rounds:
+                reply = await stub.Verify(pb.VerifyRequest(session_id=sid, draft_token_ids=drafts, num_generated=generated))
+                generated += len(reply.token_ids)
+                replies.append(reply)
+            await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            return replies
+
+    before = server.server.stats.snapshot()
+    replies = asyncio.run(run())
+    assert [list(r.accepted_nodes) for r in replies] == [[1, 2, 3], [], []]
+    assert all(r.timing.batch_size >= 1 and r.timing.forward_ms > 0 for r in replies)
+    after = server.server.stats.snapshot()
+    delta = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                                         "num_rounds", "num_generated_tokens", "num_prompt_tokens")}
+    assert delta == {
+        "num_drafts": 2, "num_draft_tokens": 5, "num_accepted_tokens": 3, "num_rounds": 3,
+        "num_generated_tokens": 1 + 4 + 1 + 1, "num_prompt_tokens": len(prompt),
+    }  # fmt: skip
+    for position in range(3):
+        assert after["num_accepted_tokens_per_pos"][position] - before["num_accepted_tokens_per_pos"].get(position, 0) == 1
+    exposition = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
+    assert f"specedge:spec_decode_num_draft_tokens_total {float(after['num_draft_tokens'])}" in exposition
+    assert f"specedge:spec_decode_num_accepted_tokens_total {float(after['num_accepted_tokens'])}" in exposition
+    assert 'specedge:spec_decode_num_accepted_tokens_per_pos_total{position="2"}' in exposition
+
+
+def test_server_without_a_draft_model_refuses_server_side_speculation(tiny_target_dir, tokenizer):
+    with ServerThread(ServerConfig(model=str(tiny_target_dir), port=0, max_context=128)) as bare:
+
+        async def run():
+            async with EdgeClient(bare.address, tokenizer.fingerprint) as client:
+                request = pb.GenerateRequest(
+                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=[5, 6],
+                    max_new_tokens=4, server_draft_tokens=4,
+                )  # fmt: skip
+                return [reply async for reply in client._stub.Generate(request)]
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            asyncio.run(run())
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--draft-model" in info.value.details()
