@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from specedge import wire
-from specedge.edge_client.drafting.base import Drafter
+from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, Drafter, DraftSampling
 from specedge.tokens import IncompatibleTokenizer, TokenizerFingerprint, check_compatible
 from specedge.types import FinishReason, SamplingParams
 from specedge.v1 import specedge_pb2 as pb
@@ -42,6 +43,10 @@ class EdgeConfig:
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None  # same seed, same output (speculative or not)
     follow_advice: bool = True  # draft min(num_draft, the server's advice) tokens a round
+    # Sampled sessions: draft by sampling from a top-k q and send q, so the server
+    # verifies by rejection sampling (accepts more than matching its samples).
+    rejection_sampling: bool = True
+    draft_top_k: int = DEFAULT_DRAFT_TOP_K
     rpc_timeout_s: float = 120.0  # per RPC; a verify round normally takes well under a second
 
     def __post_init__(self):
@@ -180,16 +185,26 @@ class EdgeClient:
         finish = wire.finish_from_proto(opened.finish_reason)
         max_draft = min(config.num_draft, opened.limits.max_draft_tokens)
         advised = opened.advised_draft_tokens
+        draft_sampling = None
+        if config.rejection_sampling and not config.sampling.greedy:
+            draft_sampling = DraftSampling(
+                temperature=config.sampling.temperature,
+                top_k=config.draft_top_k,
+                seed=config.seed if config.seed is not None else secrets.randbits(63),
+            )
         try:
             while finish is FinishReason.NONE:
                 # Advice 0 means drafting does not pay right now: the round
                 # carries no drafts and the server decodes one token itself.
                 num_draft = min(max_draft, advised) if config.follow_advice else max_draft
-                draft = await asyncio.to_thread(drafter.propose, [*prompt, *tokens], num_draft)
+                draft = await asyncio.to_thread(drafter.propose, [*prompt, *tokens], num_draft, draft_sampling)
                 reply = await self._call(
                     self._stub.Verify,
                     pb.VerifyRequest(
-                        session_id=opened.session_id, draft_token_ids=draft.token_ids, num_generated=len(tokens)
+                        session_id=opened.session_id,
+                        draft_token_ids=draft.token_ids,
+                        num_generated=len(tokens),
+                        draft_probs=wire.dists_to_proto(draft.dists or ()),
                     ),
                 )
                 advised = reply.advised_draft_tokens

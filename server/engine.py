@@ -22,12 +22,13 @@ from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig
 from specedge.server import errors, tree
 from specedge.server.loading import Target
 from specedge.server.runner import ForwardRequest, ModelRunner
-from specedge.server.sampling import sample
+from specedge.server.rejection import verify_chain_by_rejection
+from specedge.server.sampling import sample, target_probs
 from specedge.server.server_draft import DraftRow, ServerDrafter
 from specedge.server.session import Session
 from specedge.server.stats import ServerStats
 from specedge.server.verify import verify_by_sampling
-from specedge.types import FinishReason, SamplingParams
+from specedge.types import FinishReason, SamplingParams, SparseDist
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class _Work:
     is_prefill: bool = False
     draft_token_ids: tuple[int, ...] = ()
     draft_parents: tuple[int, ...] = ()
+    draft_dists: tuple[SparseDist, ...] = ()  # chains only: q of each draft token (rejection sampling)
     server_draft_tokens: int = 0  # > 0: the server drafts this round itself (baseline)
 
 
@@ -161,6 +163,7 @@ class Engine:
         draft_token_ids: Sequence[int],
         draft_parents: Sequence[int],
         num_generated: int,
+        draft_dists: Sequence[SparseDist] = (),
     ) -> RoundOutcome:
         session = self._owned(owner, session_id)
         if session.finish is not FinishReason.NONE:
@@ -184,6 +187,8 @@ class Engine:
             )
         if problem := tree.validate_parents(parents):
             raise errors.InvalidArgument(problem)
+        if draft_dists:
+            self._check_dists(draft_token_ids, parents, draft_dists)
         # Nodes beyond the slot's remaining room are dropped; children come after
         # their parents, so what is left is still a tree.
         room = session.draft_room
@@ -193,6 +198,7 @@ class Engine:
             time.monotonic(),
             draft_token_ids=tuple(draft_token_ids[:room]),
             draft_parents=parents[:room],
+            draft_dists=tuple(draft_dists[:room]),
         )
         self.batcher.add_round(session.id, 1 + len(work.draft_token_ids))
         return await self._await_work(work)
@@ -275,6 +281,18 @@ class Engine:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise errors.InvalidArgument(f"{what} token id {bad} is out of range for vocab size {self.vocab_size}")
+
+    def _check_dists(self, draft_token_ids, parents, draft_dists) -> None:
+        if len(draft_dists) != len(draft_token_ids):
+            raise errors.InvalidArgument(
+                f"{len(draft_dists)} draft distributions for {len(draft_token_ids)} draft tokens; send one per token"
+            )
+        if tuple(parents) != tree.chain_parents(len(draft_token_ids) + 1):
+            raise errors.InvalidArgument("draft distributions are for chains; a tree is verified by matching samples")
+        for i, (token, dist) in enumerate(zip(draft_token_ids, draft_dists), start=1):
+            if dist.prob_of(token) <= 0:
+                raise errors.InvalidArgument(f"draft token {i} ({token}) has probability 0 in its own distribution")
+            self._check_token_ids(dist.token_ids, "draft distribution")
 
     def _new_future(self) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
@@ -399,8 +417,13 @@ class Engine:
         # The pending token sits at sequence index num_context - 1; the sample
         # after a node of depth d lands at num_context + d.
         depths = tree.depths(work.draft_parents)
-        samples = sample(logits, [session.num_context + d for d in depths], session.sampling, session.seed)
-        result = verify_by_sampling(work.draft_token_ids, work.draft_parents, samples)
+        positions = [session.num_context + d for d in depths]
+        if work.draft_dists and not session.sampling.greedy:
+            probs = target_probs(logits, session.sampling)
+            result = verify_chain_by_rejection(work.draft_token_ids, work.draft_dists, probs, positions, session.seed)
+        else:  # greedy, trees, and chains sent without q: lossless for any sampler
+            samples = sample(logits, positions, session.sampling, session.seed)
+            result = verify_by_sampling(work.draft_token_ids, work.draft_parents, samples)
         self._compact_path(session, result.accepted_nodes)
         tokens = [work.draft_token_ids[node - 1] for node in result.accepted_nodes] + [result.next_token]
         if work.server_draft_tokens:

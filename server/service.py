@@ -126,12 +126,17 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
 
     @_statuses
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        try:
+            dists = wire.dists_from_proto(request.draft_probs)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
         outcome = await self.engine.verify(
             self._owner(context),
             request.session_id,
             list(request.draft_token_ids),
             list(request.draft_parents),
             request.num_generated,
+            dists,
         )
         return wire.round_to_proto(outcome)
 

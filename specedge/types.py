@@ -31,3 +31,45 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+# Probabilities travel as float32 and are renormalised on use, so only a sum
+# far from 1 is an error.
+PROB_SUM_TOLERANCE = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDist:
+    """A distribution over few tokens (the wire's SparseDistribution).
+
+    probs[i] is the probability of token_ids[i]; every other token has
+    probability 0. The probs sum to 1 up to float32 rounding; users
+    renormalise (`prob_of` does).
+    """
+
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    def __post_init__(self):
+        # Accept any sequences (e.g. repeated proto fields); store tuples.
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        object.__setattr__(self, "probs", tuple(float(p) for p in self.probs))
+        if len(self.token_ids) != len(self.probs):
+            raise ValueError(f"sparse distribution has {len(self.token_ids)} token ids but {len(self.probs)} probs")
+        if not self.token_ids:
+            raise ValueError("sparse distribution is empty")
+        if len(set(self.token_ids)) != len(self.token_ids):
+            raise ValueError(f"sparse distribution repeats a token id: {self.token_ids}")
+        if min(self.token_ids) < 0:
+            raise ValueError(f"sparse distribution has a negative token id: {min(self.token_ids)}")
+        if not all(math.isfinite(p) and p >= 0 for p in self.probs):
+            raise ValueError(f"sparse distribution probs must be finite and >= 0, got {self.probs}")
+        if abs(sum(self.probs) - 1) > PROB_SUM_TOLERANCE:
+            raise ValueError(f"sparse distribution probs must sum to 1, got {sum(self.probs):.6g}")
+
+    def prob_of(self, token_id: int) -> float:
+        """q(token_id), renormalised; 0 for a token outside the distribution."""
+        try:
+            return self.probs[self.token_ids.index(token_id)] / sum(self.probs)
+        except ValueError:
+            return 0.0

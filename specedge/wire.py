@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specedge.tokens import TokenizerFingerprint
-from specedge.types import FinishReason, SamplingParams
+from specedge.types import FinishReason, SamplingParams, SparseDist
 from specedge.v1 import specedge_pb2 as pb
 
 PROTOCOL_VERSION = 1
@@ -63,3 +63,12 @@ def round_to_proto(outcome) -> pb.VerifyResponse:
             batch_tokens=timing.batch_tokens,
         ),
     )
+
+
+def dists_to_proto(dists) -> list[pb.SparseDistribution]:
+    return [pb.SparseDistribution(token_ids=d.token_ids, probs=d.probs) for d in dists]
+
+
+def dists_from_proto(msgs) -> tuple[SparseDist, ...]:
+    """Raises ValueError with a user-facing message on a malformed distribution."""
+    return tuple(SparseDist(msg.token_ids, msg.probs) for msg in msgs)

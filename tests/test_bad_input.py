@@ -18,6 +18,7 @@ from specedge.v1 import specedge_pb2 as pb
 from specedge.v1 import specedge_pb2_grpc
 
 MAX_SESSIONS, MAX_CONTEXT, MAX_DRAFT = 3, 128, 8
+ONE_HOT_5 = pb.SparseDistribution(token_ids=[5], probs=[1.0])
 PROMPT = [1, 87, 324, 201, 260, 309, 81, 223, 2, 201, 1, 67, 85, 201]
 
 
@@ -57,9 +58,13 @@ class Edge:
         )
         return await self.stub.OpenSession(request)
 
-    async def verify(self, session_id, drafts=(), parents=(), num_generated=1) -> pb.VerifyResponse:
+    async def verify(self, session_id, drafts=(), parents=(), num_generated=1, dists=()) -> pb.VerifyResponse:
         request = pb.VerifyRequest(
-            session_id=session_id, draft_token_ids=drafts, draft_parents=parents, num_generated=num_generated
+            session_id=session_id,
+            draft_token_ids=drafts,
+            draft_parents=parents,
+            num_generated=num_generated,
+            draft_probs=dists,
         )
         return await self.stub.Verify(request)
 
@@ -96,6 +101,17 @@ def test_bad_requests_fail_alone(server, fingerprint, expected):
             "parent after child": await status_of(good.verify(sid, [5, 6], [0, 2], num_generated=len(tokens))),
             "parents miscounted": await status_of(good.verify(sid, [5, 6], [0], num_generated=len(tokens))),
             "out of sync": await status_of(good.verify(sid, [5], num_generated=len(tokens) + 3)),
+            "q count": await status_of(good.verify(sid, [5, 6], num_generated=len(tokens), dists=[ONE_HOT_5])),
+            "q on a tree": await status_of(
+                good.verify(sid, [5, 5], [0, 0], num_generated=len(tokens), dists=[ONE_HOT_5, ONE_HOT_5])
+            ),
+            "q misses its token": await status_of(good.verify(sid, [6], num_generated=len(tokens), dists=[ONE_HOT_5])),
+            "q not a distribution": await status_of(
+                good.verify(
+                    sid, [5], num_generated=len(tokens),
+                    dists=[pb.SparseDistribution(token_ids=[5, 6], probs=[0.9, 0.9])],
+                )
+            ),  # fmt: skip
             "wrong protocol": await status_of(
                 bad.stub.Handshake(pb.HandshakeRequest(protocol_version=99, draft_tokenizer=fingerprint))
             ),
@@ -128,6 +144,10 @@ def test_bad_requests_fail_alone(server, fingerprint, expected):
         "parent after child": (invalid, "draft node 2 has parent 2"),
         "parents miscounted": (invalid, "1 draft parents for 2 draft tokens"),
         "out of sync": (failed, "out of sync"),
+        "q count": (invalid, "1 draft distributions for 2 draft tokens"),
+        "q on a tree": (invalid, "draft distributions are for chains"),
+        "q misses its token": (invalid, "draft token 1 (6) has probability 0"),
+        "q not a distribution": (invalid, "probs must sum to 1"),
         "wrong protocol": (failed, "protocol 99"),
         "verify after finish": (failed, "already finished"),
         "closed session": (grpc.StatusCode.NOT_FOUND, "unknown session"),

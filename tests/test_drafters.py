@@ -2,11 +2,14 @@
 
 The oracle is the simplest possible decoder: run the model on the whole
 sequence every step, no cache, take the argmax. A drafter that reuses and
-rolls back its KV cache must produce exactly the same tokens.
+rolls back its KV cache must produce exactly the same tokens. Sampled drafts
+are checked against the truncated, tempered softmax of the same oracle's
+logits, for reproducibility, and for following that distribution.
 """
 
 from __future__ import annotations
 
+import collections
 import importlib.resources
 import pathlib
 import subprocess
@@ -17,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specedge.edge_client.drafting import DraftChain, load_drafter
+from specedge.edge_client.drafting.base import DraftSampling, SparseDist, sample_top_k
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.tokenizer import HFTokenizer, load_tokenizer
 from specedge.registry import ResolvedModel
@@ -141,6 +145,128 @@ def test_hf_fingerprints_tell_tokenizers_apart(tiny_target_dir, tiny_draft_dir, 
     assert TorchDrafter(tiny_draft_dir).fingerprint == target
 
 
+# --- sampled drafts -----------------------------------------------------------------------------
+
+SAMPLING = DraftSampling(temperature=0.8, top_k=5, seed=7)
+
+
+def truncated_q(logits: torch.Tensor, sampling: DraftSampling) -> dict[int, float]:
+    """[vocab] logits -> softmax(logits / temperature) over the top_k logits: the q a draft comes from."""
+    top = logits.double().topk(sampling.top_k)
+    return dict(zip(top.indices.tolist(), (top.values / sampling.temperature).softmax(-1).tolist()))
+
+
+def assert_valid_dists(chain: DraftChain, top_k: int) -> None:
+    assert chain.dists is not None and len(chain.dists) == len(chain.token_ids)
+    for token, q in zip(chain.token_ids, chain.dists):
+        assert 1 <= len(q.token_ids) <= top_k
+        assert sum(q.probs) == pytest.approx(1.0, abs=1e-6)
+        assert q.prob_of(token) > 0
+        assert list(q.probs) == sorted(q.probs, reverse=True)
+
+
+def assert_same_sampled_chain(actual: DraftChain, expected: DraftChain) -> None:
+    assert_same_chain(actual, expected)
+    assert [q.token_ids for q in actual.dists] == [q.token_ids for q in expected.dists]
+    for q, expected_q in zip(actual.dists, expected.dists):
+        assert q.probs == pytest.approx(expected_q.probs, abs=1e-5)
+
+
+def test_draft_sampling_validation():
+    for bad in (dict(temperature=0.0), dict(temperature=float("inf")), dict(temperature=1.0, top_k=0)):
+        with pytest.raises(ValueError, match="temperature|top_k"):
+            DraftSampling(**bad)
+
+
+def test_sample_top_k_follows_q():
+    """The pure sampling step both drafters share: exact q, and draws that follow it."""
+    logits = [2.0, 1.5, 0.5, -1.0]
+    sampling = DraftSampling(temperature=0.5, top_k=4)
+    expected = torch.tensor(logits, dtype=torch.float64).div(0.5).softmax(-1).tolist()
+    counts: collections.Counter[int] = collections.Counter()
+    num_draws = 20_000
+    for position in range(num_draws):
+        token, q = sample_top_k([10, 11, 12, 13], logits, sampling, position)
+        counts[token] += 1
+    assert q == SparseDist((10, 11, 12, 13), q.probs)
+    assert q.probs == pytest.approx(expected, abs=1e-7)  # float32, as on the wire
+    for token, prob in zip(q.token_ids, q.probs):
+        assert counts[token] / num_draws == pytest.approx(prob, abs=0.015)  # > 3 standard errors
+
+
+def test_sample_top_k_is_canonical_and_drops_underflow():
+    sampling = DraftSampling(temperature=1.0, top_k=3, seed=5)
+    # The order a backend lists its top-k in does not change the draw.
+    listed = (([1, 2, 3], [0.3, 0.2, 0.1]), ([3, 1, 2], [0.1, 0.3, 0.2]))
+    assert len({sample_top_k(ids, logits, sampling, 9) for ids, logits in listed}) == 1
+    # Ties are broken by token id.
+    assert sample_top_k([8, 4], [1.0, 1.0], sampling, 0)[1].token_ids == (4, 8)
+    # A token whose probability underflows is left out of q (it could never be drawn).
+    token, q = sample_top_k([1, 2], [0.0, -1e4], DraftSampling(temperature=0.01, top_k=2), 0)
+    assert (token, q) == (1, SparseDist((1,), (1.0,)))
+
+
+def test_torch_sampled_draft_is_reproducible(tiny_target_dir, prompt_ids):
+    drafter = TorchDrafter(tiny_target_dir)
+    chain = drafter.propose(prompt_ids, 6, SAMPLING)
+    assert_valid_dists(chain, SAMPLING.top_k)
+    assert_same_sampled_chain(drafter.propose(prompt_ids, 6, SAMPLING), chain)
+    drafter.propose([300, 12, 5], 4, SAMPLING)  # something else in the cache in between
+    assert_same_sampled_chain(drafter.propose(prompt_ids, 6, SAMPLING), chain)
+    assert_same_sampled_chain(TorchDrafter(tiny_target_dir).propose(prompt_ids, 6, SAMPLING), chain)
+    # Keyed by position: drafting on from an accepted prefix continues the same chain.
+    assert drafter.propose(prompt_ids + list(chain.token_ids[:2]), 4, SAMPLING).token_ids == chain.token_ids[2:]
+    other_seeds = {drafter.propose(prompt_ids, 6, DraftSampling(0.8, 5, seed)).token_ids for seed in range(10)}
+    assert len(other_seeds) > 1
+
+
+def test_torch_sampled_q_is_the_truncated_softmax(tiny_target_dir, target_model, prompt_ids):
+    chain = TorchDrafter(tiny_target_dir).propose(prompt_ids, 5, SAMPLING)
+    for step, (token, q) in enumerate(zip(chain.token_ids, chain.dists)):
+        with torch.inference_mode():
+            logits = target_model(torch.tensor([prompt_ids + list(chain.token_ids[:step])])).logits[0, -1]  # [vocab]
+        expected = truncated_q(logits, SAMPLING)
+        assert set(q.token_ids) == set(expected)
+        assert [q.prob_of(t) for t in q.token_ids] == pytest.approx([expected[t] for t in q.token_ids], abs=1e-5)
+        # `probs` keeps its meaning: the untempered, untruncated probability of the token.
+        assert chain.probs[step] == pytest.approx(float(logits.softmax(-1)[token]), abs=1e-5)
+
+
+@pytest.fixture
+def one_thread():
+    """Many one-token forwards of a tiny model: extra threads only add overhead,
+    and on a busy machine each op can wait milliseconds for a descheduled thread."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def assert_first_token_follows_q(drafter, prompt, *, num_seeds: int, tolerance: float) -> None:
+    """Over many seeds, the first sampled draft token's frequencies match its own sparse q."""
+    chains = [drafter.propose(prompt, 1, DraftSampling(1.0, 4, seed)) for seed in range(num_seeds)]
+    counts = collections.Counter(chain.token_ids[0] for chain in chains)
+    q = chains[0].dists[0]
+    assert set(counts) <= set(q.token_ids)
+    for token in q.token_ids:
+        assert counts[token] / num_seeds == pytest.approx(q.prob_of(token), abs=tolerance)  # loose: > 3 std errors
+
+
+def test_torch_sampled_first_token_follows_q(tiny_target_dir, prompt_ids, one_thread):
+    assert_first_token_follows_q(TorchDrafter(tiny_target_dir), prompt_ids, num_seeds=600, tolerance=0.07)
+
+
+def test_torch_greedy_unchanged_by_sampling_support(tiny_target_dir, prompt_ids):
+    drafter = TorchDrafter(tiny_target_dir)
+    greedy = drafter.propose(prompt_ids, 4)
+    assert greedy.dists is None
+    # top_k = 1 leaves only the argmax: the greedy chain, with q = 1.
+    top1 = drafter.propose(prompt_ids, 4, DraftSampling(temperature=1.0, top_k=1, seed=3))
+    assert top1.token_ids == greedy.token_ids
+    assert all(q == SparseDist((t,), (1.0,)) for t, q in zip(top1.token_ids, top1.dists))
+    assert drafter.propose(prompt_ids, 0, SAMPLING) == DraftChain(token_ids=(), probs=(), dists=())
+
+
 # --- the real SmolLM2-135M GGUF, through llama.cpp -------------------------------------------
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -244,6 +370,47 @@ def test_llama_cpp_clamps_to_context_size(smollm2_path, smollm2_prompt):
 
 
 @pytest.mark.real_model
+def test_llama_cpp_sampled_drafts(smollm2_path, smollm2_reference, smollm2_prompt):
+    import llama_cpp
+    import numpy as np
+
+    from specedge.edge_client.drafting.llama_cpp import LlamaCppDrafter
+
+    drafter = LlamaCppDrafter(smollm2_path, n_ctx=512)
+    chain = drafter.propose(smollm2_prompt, 6, SAMPLING)
+    assert_valid_dists(chain, SAMPLING.top_k)
+    assert_same_sampled_chain(drafter.propose(smollm2_prompt, 6, SAMPLING), chain)
+    assert_same_sampled_chain(LlamaCppDrafter(smollm2_path, n_ctx=512).propose(smollm2_prompt, 6, SAMPLING), chain)
+    # Keyed by position: drafting on from an accepted prefix continues the same chain.
+    assert drafter.propose(smollm2_prompt + list(chain.token_ids[:2]), 4, SAMPLING).token_ids == chain.token_ids[2:]
+
+    # q is the truncated, tempered softmax of llama.cpp's own logits.
+    smollm2_reference.reset()
+    smollm2_reference.eval(smollm2_prompt)
+    row = llama_cpp.llama_get_logits_ith(smollm2_reference.ctx, -1)
+    logits = torch.from_numpy(np.ctypeslib.as_array(row, shape=(smollm2_reference.n_vocab(),)).copy())  # [vocab]
+    expected = truncated_q(logits, SAMPLING)
+    first_q = chain.dists[0]
+    assert set(first_q.token_ids) == set(expected)
+    expected_probs = [expected[t] for t in first_q.token_ids]
+    assert [first_q.prob_of(t) for t in first_q.token_ids] == pytest.approx(expected_probs, abs=1e-4)
+    assert chain.probs[0] == pytest.approx(float(logits.double().softmax(-1)[chain.token_ids[0]]), abs=1e-5)
+
+    # top_k = 1 leaves only the argmax: llama.cpp's greedy chain.
+    top1 = drafter.propose(smollm2_prompt, 4, DraftSampling(temperature=1.0, top_k=1, seed=3))
+    assert list(top1.token_ids) == llama_greedy(smollm2_reference, smollm2_prompt, 4)
+    assert drafter.propose(smollm2_prompt, 4).dists is None
+
+
+@pytest.mark.real_model
+def test_llama_cpp_sampled_first_token_follows_q(smollm2_path, smollm2_prompt):
+    from specedge.edge_client.drafting.llama_cpp import LlamaCppDrafter
+
+    drafter = LlamaCppDrafter(smollm2_path, n_ctx=512, n_threads=1)  # one-token calls: threads only contend
+    assert_first_token_follows_q(drafter, smollm2_prompt, num_seeds=300, tolerance=0.1)
+
+
+@pytest.mark.real_model
 def test_gguf_tokenizer(smollm2_path):
     from specedge.edge_client.tokenizer import GGUFTokenizer
     from specedge.tokens import fingerprint_from_gguf
@@ -268,12 +435,16 @@ def test_gguf_edge_never_imports_torch(smollm2_path):
     script = f"""
 import sys
 from specedge.edge_client.drafting import load_drafter
+from specedge.edge_client.drafting.base import DraftSampling
 from specedge.edge_client.tokenizer import load_tokenizer
 from specedge.registry import ResolvedModel
 resolved = ResolvedModel(name="smollm2", format="gguf", path={str(smollm2_path)!r})
 tokenizer = load_tokenizer(resolved)
-chain = load_drafter(resolved, n_ctx=256).propose(tokenizer.encode("Hello"), 2)
+drafter = load_drafter(resolved, n_ctx=256)
+chain = drafter.propose(tokenizer.encode("Hello"), 2)
 assert len(chain.token_ids) == 2, chain
+chain = drafter.propose(tokenizer.encode("Hello"), 2, DraftSampling(temperature=1.0))
+assert len(chain.dists) == 2, chain
 heavy = sorted(name for name in ("torch", "transformers") if name in sys.modules)
 assert not heavy, heavy
 """

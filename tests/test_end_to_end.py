@@ -98,14 +98,26 @@ def test_four_edges_at_once_are_each_lossless(server, tokenizer, tiny_draft_dir,
     assert not server.server.engine.sessions  # every slot was given back
 
 
-def test_seeded_sampling_is_reproducible_and_matches_server_only(server, tokenizer, drafter):
+def test_seeded_sampling_by_matching_samples_equals_seeded_server_only(server, tokenizer, drafter):
+    """Without q, verification matches the target's position-keyed samples: the seeded run is the target's own."""
     prompt = tokenizer.apply_chat_template(PROMPTS[0])
     sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50)
-    runs = [generate(server, tokenizer, prompt, drafter, sampling=sampling, seed=7, max_new_tokens=40) for _ in range(2)]
+    common = dict(sampling=sampling, max_new_tokens=40, rejection_sampling=False)
+    runs = [generate(server, tokenizer, prompt, drafter, seed=7, **common) for _ in range(2)]
     server_only = generate(server, tokenizer, prompt, None, sampling=sampling, seed=7, max_new_tokens=40)
-    other_seed = generate(server, tokenizer, prompt, drafter, sampling=sampling, seed=8, max_new_tokens=40)
+    other_seed = generate(server, tokenizer, prompt, drafter, seed=8, **common)
     assert runs[0].token_ids == runs[1].token_ids == server_only.token_ids
     assert other_seed.token_ids != runs[0].token_ids
+
+
+def test_seeded_sampling_by_rejection_is_reproducible(server, tokenizer, drafter):
+    prompt = tokenizer.apply_chat_template(PROMPTS[0])
+    common = dict(sampling=SamplingParams(temperature=0.9, top_k=50), max_new_tokens=40)
+    runs = [generate(server, tokenizer, prompt, drafter, seed=7, **common) for _ in range(2)]
+    other_seed = generate(server, tokenizer, prompt, drafter, seed=8, **common)
+    assert runs[0].token_ids == runs[1].token_ids
+    assert other_seed.token_ids != runs[0].token_ids
+    assert runs[0].stats.accepted_tokens > 0
 
 
 def test_max_tokens_and_finish_reason(server, tokenizer, drafter):

@@ -1,4 +1,4 @@
-"""The one small interface every drafter implements.
+"""The one small interface every drafter implements, and the sampled-draft helpers they share.
 
 A drafter is stateless as seen from outside: each call names the whole
 committed context, and the drafter reuses whatever prefix of it is already in
@@ -6,15 +6,45 @@ its KV cache. Rolling back rejected drafts is therefore not a separate call:
 the next `propose` simply names a shorter (or different) context and the
 drafter truncates its cache to the longest common prefix, with no re-prefill.
 Proactive drafting uses the same call with a guessed context.
+
+Sampled drafts (for verification by rejection sampling) come from a top-k
+truncated distribution q, so q is sparse and can be sent to the server whole.
+Their randomness is keyed by (seed, sequence position), like the server's: the
+same seed and context always give the same draft, whatever was drafted before.
+This module stays free of torch and numpy: a GGUF edge never imports torch,
+and the server shares `SparseDist` with the edge.
 """
 
 from __future__ import annotations
 
+import array
+import bisect
 import dataclasses
+import hashlib
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
 from specedge.tokens import TokenizerFingerprint
+from specedge.types import PROB_SUM_TOLERANCE, SparseDist  # noqa: F401  (re-exported: the edge builds them)
+
+DEFAULT_DRAFT_TOP_K = 20
+DRAFT_STREAM = "draft"  # keeps draft noise apart from the server's streams for the same seed
+
+@dataclasses.dataclass(frozen=True)
+class DraftSampling:
+    """How to sample drafts instead of taking the argmax."""
+
+    temperature: float  # > 0; q = softmax(logits / temperature) over the top_k logits
+    top_k: int = DEFAULT_DRAFT_TOP_K  # truncation that makes q sparse, hence exact on the wire
+    seed: int = 0  # with the context, fixes every draft (keyed by sequence position)
+
+    def __post_init__(self):
+        if not math.isfinite(self.temperature) or self.temperature <= 0:
+            raise ValueError(f"draft temperature must be a finite number > 0, got {self.temperature}")
+        if self.top_k < 1:
+            raise ValueError(f"draft top_k must be >= 1, got {self.top_k}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,13 +53,17 @@ class DraftChain:
     # Draft probability of each proposed token (under the draft's own,
     # untempered distribution); drives confidence-based early stopping.
     probs: tuple[float, ...]
+    # Sampled drafts only: the distribution q each token was sampled from,
+    # which the server's rejection sampler needs. None for greedy drafts.
+    dists: tuple[SparseDist, ...] | None = None
 
 
 class Drafter(Protocol):
     fingerprint: TokenizerFingerprint
 
-    def propose(self, context: Sequence[int], num_tokens: int) -> DraftChain:
-        """Greedily draft up to `num_tokens` tokens that follow `context`.
+    def propose(self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None) -> DraftChain:
+        """Draft up to `num_tokens` tokens that follow `context`: greedily, or
+        sampled as `sampling` says (then the chain carries each token's q).
 
         `context` is every committed token, prompt included. The drafter's
         cache afterwards holds `context` plus all but the last drafted token.
@@ -39,3 +73,32 @@ class Drafter(Protocol):
     def close(self) -> None:
         """Release the model (memory, threads). The drafter is unusable after."""
         ...
+
+
+def sample_top_k(
+    top_ids: Sequence[int],  # [k] the k largest logits' token ids, any order
+    top_logits: Sequence[float],  # [k] their logits
+    sampling: DraftSampling,
+    position: int,  # sequence index the drafted token will occupy
+) -> tuple[int, SparseDist]:
+    """Sample one draft token from softmax(top_logits / temperature); return it and that q."""
+    # Canonical order (largest logit first, ties by id), so the draw does not
+    # depend on the order in which a backend's top-k happened to list them.
+    ranked = sorted(zip(top_logits, top_ids), key=lambda pair: (-pair[0], pair[1]))
+    max_logit = ranked[0][0]
+    weights = [math.exp((logit - max_logit) / sampling.temperature) for logit, _ in ranked]
+    # Round to float32, what the wire carries, so the edge samples from
+    # exactly the q the server will see; drop tokens that underflowed to 0.
+    probs = array.array("f", (w / sum(weights) for w in weights)).tolist()
+    kept = [(token, prob) for (_, token), prob in zip(ranked, probs) if prob > 0]
+    dist = SparseDist(token_ids=tuple(t for t, _ in kept), probs=tuple(p for _, p in kept))
+    # Inverse CDF: the first token whose cumulative probability exceeds u * total.
+    cumulative = list(itertools.accumulate(dist.probs))
+    index = bisect.bisect_right(cumulative, _keyed_uniform(sampling.seed, position) * cumulative[-1])
+    return dist.token_ids[min(index, len(cumulative) - 1)], dist
+
+
+def _keyed_uniform(seed: int, position: int) -> float:
+    """U[0, 1), a pure function of (seed, position) in the draft's own stream."""
+    key = hashlib.blake2b(f"{seed}:{position}:{DRAFT_STREAM}".encode(), digest_size=8).digest()
+    return (int.from_bytes(key, "little") >> 11) / (1 << 53)  # 53 random bits: exact in a float, never 1.0

@@ -1,4 +1,4 @@
-"""Greedy chain drafts from a GGUF model through llama.cpp (no torch needed).
+"""Chain drafts (greedy or sampled) from a GGUF model through llama.cpp (no torch needed).
 
 Rolling back is nearly free: llama.cpp keeps the evaluated ids beside the KV
 cache, and setting `Llama.n_tokens = keep` makes the next `eval` drop every
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from specedge.edge_client.drafting.base import DraftChain
+from specedge.edge_client.drafting.base import DraftChain, DraftSampling, SparseDist, sample_top_k
 from specedge.edge_client.llama_log import route_llama_logs_to_logging
 from specedge.tokens import fingerprint_from_gguf
 
@@ -57,7 +57,7 @@ class LlamaCppDrafter:
         self._max_tokens = self._llm.n_ctx()
         self.fingerprint = fingerprint_from_gguf(model_path)
 
-    def propose(self, context: Sequence[int], num_tokens: int) -> DraftChain:
+    def propose(self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None) -> DraftChain:
         if len(context) == 0:
             raise ValueError("cannot draft from an empty context")
         if num_tokens < 0:
@@ -67,7 +67,7 @@ class LlamaCppDrafter:
         # Context plus drafts must fit the KV cache; draft fewer rather than fail.
         num_tokens = min(num_tokens, self._max_tokens - len(context_ids))
         if num_tokens <= 0:
-            return DraftChain(token_ids=(), probs=())
+            return DraftChain(token_ids=(), probs=(), dists=None if sampling is None else ())
 
         keep = self._reusable_prefix(context_ids)
         suffix = context_ids[keep:]
@@ -78,15 +78,23 @@ class LlamaCppDrafter:
 
         token_ids: list[int] = []
         probs: list[float] = []
+        dists: list[SparseDist] = []
         for step in range(num_tokens):
-            token, prob = self._greedy_next()
+            logits = self._last_logits()  # [vocab]
+            if sampling is None:
+                token = int(np.argmax(logits))
+            else:
+                token, dist = self._sample_next(logits, sampling, position=len(context_ids) + step)
+                dists.append(dist)
             token_ids.append(token)
-            probs.append(prob)
+            probs.append(_softmax_prob(logits, token))
             # The last draft stays unevaluated: if it is accepted, the next
             # call evaluates it as part of that call's suffix.
             if step + 1 < num_tokens:
                 llm.eval([token])
-        return DraftChain(token_ids=tuple(token_ids), probs=tuple(probs))
+        return DraftChain(
+            token_ids=tuple(token_ids), probs=tuple(probs), dists=None if sampling is None else tuple(dists)
+        )
 
     def close(self) -> None:
         if self._llm is not None:
@@ -111,11 +119,17 @@ class LlamaCppDrafter:
         mismatches = np.flatnonzero(cached[:limit] != context_ids[:limit])
         return int(mismatches[0]) if mismatches.size else limit
 
-    def _greedy_next(self) -> tuple[int, float]:
-        """Argmax after the last evaluated token, and its softmax probability."""
+    def _last_logits(self) -> np.ndarray:
+        """[vocab] logits after the last evaluated token: a view, valid until the next eval."""
         row = llama_cpp.llama_get_logits_ith(self._llm.ctx, -1)
-        logits = np.ctypeslib.as_array(row, shape=(self._num_vocab,))  # [vocab]; a view, valid until the next eval
-        token = int(np.argmax(logits))
-        # p(token) = 1 / sum(exp(logits - max)); no full softmax array needed.
-        prob = 1.0 / float(np.exp(logits - logits[token], dtype=np.float64).sum())
-        return token, prob
+        return np.ctypeslib.as_array(row, shape=(self._num_vocab,))
+
+    def _sample_next(self, logits: np.ndarray, sampling: DraftSampling, position: int) -> tuple[int, SparseDist]:
+        num_kept = min(sampling.top_k, self._num_vocab)
+        top_ids = np.argpartition(logits, -num_kept)[-num_kept:]  # [num_kept], unordered
+        return sample_top_k(top_ids.tolist(), logits[top_ids].tolist(), sampling, position)
+
+
+def _softmax_prob(logits: np.ndarray, token: int) -> float:
+    """softmax(logits)[token]: 1 / sum(exp(logits - logits[token])), no full softmax array needed."""
+    return 1.0 / float(np.exp(logits - logits[token], dtype=np.float64).sum())

@@ -1,4 +1,4 @@
-"""Greedy chain drafts from a Hugging Face model directory, in PyTorch.
+"""Chain drafts (greedy or sampled) from a Hugging Face model directory, in PyTorch.
 
 For edges with a GPU and an HF checkpoint. The KV cache is a transformers
 `DynamicCache` kept across calls beside the ids it holds; rolling back is
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specedge.edge_client.drafting.base import DraftChain
+from specedge.edge_client.drafting.base import DraftChain, DraftSampling, SparseDist, sample_top_k
 from specedge.edge_client.tokenizer import HFTokenizer
 
 
@@ -37,7 +37,7 @@ class TorchDrafter:
         self.fingerprint = HFTokenizer(model_dir, vocab_size=self._num_vocab).fingerprint
         self._reset_cache()
 
-    def propose(self, context: Sequence[int], num_tokens: int) -> DraftChain:
+    def propose(self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None) -> DraftChain:
         if len(context) == 0:
             raise ValueError("cannot draft from an empty context")
         if num_tokens < 0:
@@ -48,7 +48,7 @@ class TorchDrafter:
         # Context plus drafts must fit the position table; draft fewer rather than fail.
         num_tokens = min(num_tokens, self._max_tokens - len(context))
         if num_tokens <= 0:
-            return DraftChain(token_ids=(), probs=())
+            return DraftChain(token_ids=(), probs=(), dists=None if sampling is None else ())
 
         keep = self._reusable_prefix(context)
         suffix = context[keep:]
@@ -56,7 +56,7 @@ class TorchDrafter:
             raise ValueError(f"context holds token ids outside the draft vocabulary [0, {self._num_vocab})")
         try:
             with torch.inference_mode():
-                return self._draft(keep, suffix, num_tokens)
+                return self._draft(keep, suffix, num_tokens, sampling)
         except BaseException:
             # A forward that fails half way leaves layers of different
             # lengths in the cache; start from scratch rather than trust it.
@@ -67,7 +67,7 @@ class TorchDrafter:
         self._model = None
         self._reset_cache()
 
-    def _draft(self, keep: int, suffix: list[int], num_tokens: int) -> DraftChain:
+    def _draft(self, keep: int, suffix: list[int], num_tokens: int, sampling: DraftSampling | None) -> DraftChain:
         num_dropped = len(self._cached_ids) - keep
         if num_dropped > 0:
             self._cache.crop(-num_dropped)
@@ -75,19 +75,31 @@ class TorchDrafter:
 
         token_ids: list[int] = []
         probs: list[float] = []
+        dists: list[SparseDist] = []
         new_ids = suffix
         for step in range(num_tokens):
             input_ids = torch.tensor([new_ids], device=self._device)  # [1, num_new]
             output = self._model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
             self._cached_ids.extend(new_ids)
-            next_probs = torch.softmax(output.logits[0, -1].float(), dim=-1)  # [vocab]
-            token = int(torch.argmax(next_probs))
+            logits = output.logits[0, -1].float()  # [vocab]
+            next_probs = torch.softmax(logits, dim=-1)  # [vocab]
+            if sampling is None:
+                token = int(torch.argmax(next_probs))
+            else:
+                top = logits.topk(min(sampling.top_k, logits.shape[-1]))  # [top_k] values and indices
+                # The cache now holds every token before this one: its length is this token's position.
+                token, dist = sample_top_k(
+                    top.indices.tolist(), top.values.tolist(), sampling, position=len(self._cached_ids)
+                )
+                dists.append(dist)
             token_ids.append(token)
             probs.append(float(next_probs[token]))
             # The last draft stays unevaluated: if it is accepted, the next
             # call evaluates it as part of that call's suffix.
             new_ids = [token]
-        return DraftChain(token_ids=tuple(token_ids), probs=tuple(probs))
+        return DraftChain(
+            token_ids=tuple(token_ids), probs=tuple(probs), dists=None if sampling is None else tuple(dists)
+        )
 
     def _reusable_prefix(self, context: list[int]) -> int:
         """How many leading context tokens already have their KV in the cache.
