@@ -31,9 +31,10 @@ PROMPTS = [
 ]
 
 
-def start_server(model: str, port: int) -> subprocess.Popen:
+def start_server(model: str, port: int, *extra_args: str) -> subprocess.Popen:
     process = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "specedge-server"), "--model", model, "--port", str(port)],
+        [os.path.join(os.path.dirname(sys.executable), "specedge-server"), "--model", model, "--port", str(port),
+         *extra_args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -35,7 +35,7 @@ def server_address():
         process.kill()
 
 
-def edge(address: str, *args: str) -> subprocess.CompletedProcess:
+def edge_run(address: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [f"{BIN}/specedge-edge", "--server", address, *args], capture_output=True, text=True, timeout=600
     )
@@ -45,8 +45,8 @@ def test_speculative_is_token_identical_to_server_only(server_address):
     accepted = drafted = 0
     for prompt in PROMPTS:
         common = ["--prompt", prompt, "--max-tokens", "64", "--json"]
-        speculative = edge(server_address, "--draft", "qwen2.5-coder-0.5b", "--num-draft", "4", *common)
-        server_only = edge(server_address, "--server-only", *common)
+        speculative = edge_run(server_address, "--draft", "qwen2.5-coder-0.5b", "--num-draft", "4", *common)
+        server_only = edge_run(server_address, "--server-only", *common)
         assert speculative.returncode == 0, speculative.stderr
         assert server_only.returncode == 0, server_only.stderr
         spec, alone = json.loads(speculative.stdout), json.loads(server_only.stdout)
@@ -59,14 +59,38 @@ def test_speculative_is_token_identical_to_server_only(server_address):
 
 def test_streamed_text_matches_the_json_text(server_address):
     prompt = ["--prompt", "Say hello in Korean.", "--max-tokens", "24"]
-    streamed = edge(server_address, "--draft", "qwen2.5-coder-0.5b", *prompt)
-    as_json = edge(server_address, "--draft", "qwen2.5-coder-0.5b", "--json", *prompt)
+    streamed = edge_run(server_address, "--draft", "qwen2.5-coder-0.5b", *prompt)
+    as_json = edge_run(server_address, "--draft", "qwen2.5-coder-0.5b", "--json", *prompt)
     assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
     assert streamed.stdout.rstrip("\n") == json.loads(as_json.stdout)["text"]
 
 
 def test_incompatible_draft_is_refused_with_both_vocab_sizes(server_address):
-    result = edge(server_address, "--draft", "smollm2-135m", "--prompt", "hi", "--max-tokens", "4")
+    result = edge_run(server_address, "--draft", "smollm2-135m", "--prompt", "hi", "--max-tokens", "4")
     assert result.returncode != 0
     assert "draft vocab 49152 != target vocab 151936" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1  # one actionable line, no traceback
+
+
+def test_four_concurrent_edges_are_each_token_identical_to_server_only(server_address):
+    prompts = [
+        "Write a Python function that adds two numbers.",
+        "Name three sorting algorithms.",
+        "Write a haiku about compilers.",
+        "What does HTTP stand for?",
+    ]
+    bin_dir = os.path.dirname(sys.executable)
+    edges = [
+        subprocess.Popen(
+            [f"{bin_dir}/specedge-edge", "--server", server_address, "--draft", "qwen2.5-coder-0.5b", "--threads", "1",
+             "--prompt", prompt, "--max-tokens", "32", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for prompt in prompts
+    ]
+    outputs = [edge.communicate(timeout=900) for edge in edges]
+    for prompt, edge, (stdout, stderr) in zip(prompts, edges, outputs):
+        assert edge.returncode == 0, stderr
+        alone = edge_run(server_address, "--server-only", "--prompt", prompt, "--max-tokens", "32", "--json")
+        assert alone.returncode == 0, alone.stderr
+        assert json.loads(stdout)["token_ids"] == json.loads(alone.stdout)["token_ids"]
