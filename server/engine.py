@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, PrefillChunk, SlotAllocator, StepPlan
-from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig
+from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig, StepCostModel
 from specedge.server import errors, tree
 from specedge.server.loading import Target
 from specedge.server.runner import ForwardRequest, ModelRunner
@@ -104,7 +104,9 @@ class Engine:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specedge-engine")
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self.load = 0.0  # busy share of the step token budget, smoothed
+        self.cost_model = StepCostModel()  # measured step cost -> marginal cost of a draft token
+        self._budget_share = 0.0  # busy share of the step token budget, smoothed: the fallback load
+        self.load = 0.0  # what speculation advice uses (scheduler/speculation.py)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -152,9 +154,8 @@ class Engine:
         )
         self.sessions[session.id] = session
         self._update_session_gauges()
-        self.batcher.add_prefill(session.id, len(prompt))
-        outcome = await self._await_work(_Work(session, self._new_future(), time.monotonic(), is_prefill=True))
-        return session, outcome
+        work = self._enqueue(_Work(session, self._new_future(), time.monotonic(), is_prefill=True), len(prompt))
+        return session, await self._await_work(work)
 
     async def verify(
         self,
@@ -200,8 +201,7 @@ class Engine:
             draft_parents=parents[:room],
             draft_dists=tuple(draft_dists[:room]),
         )
-        self.batcher.add_round(session.id, 1 + len(work.draft_token_ids))
-        return await self._await_work(work)
+        return await self._await_work(self._enqueue(work, 1 + len(work.draft_token_ids)))
 
     def close_session(self, owner: str, session_id: str) -> None:
         self._close(self._owned(owner, session_id))
@@ -238,20 +238,26 @@ class Engine:
                 f"server_draft_tokens {server_draft_tokens} exceeds max_draft_tokens {self.config.max_draft_tokens}"
             )
         session, outcome = await self.open_session(owner, prompt, max_new_tokens, sampling, seed)
+        work = None
         try:
-            yield outcome
-            while outcome.finish is FinishReason.NONE:
-                if server_draft_tokens:
-                    num_draft = min(server_draft_tokens, session.draft_room)
-                    work = _Work(session, self._new_future(), time.monotonic(), server_draft_tokens=num_draft)
-                    self.batcher.add_round(session.id, 1 + num_draft)
-                    outcome = await self._await_work(work)
-                else:
-                    outcome = await self.verify(owner, session.id, (), (), len(session.generated))
+            while True:
+                # Queue the next step before this reply goes out: every server-driven
+                # stream woken by a step is then queued before the next one is planned,
+                # so the streams share forwards instead of alternating.
+                work = None if outcome.finish is not FinishReason.NONE else self._next_server_round(session, server_draft_tokens)
                 yield outcome
+                if work is None:
+                    return
+                outcome = await self._await_work(work)
         finally:
-            if session.id in self.sessions:
-                self._close(session)
+            if work is not None and not work.future.done():
+                work.future.cancel()
+            self._close(session)
+
+    def _next_server_round(self, session: Session, server_draft_tokens: int) -> _Work:
+        num_draft = min(server_draft_tokens, session.draft_room)
+        work = _Work(session, self._new_future(), time.monotonic(), server_draft_tokens=num_draft)
+        return self._enqueue(work, 1 + num_draft)
 
     # -- internals -----------------------------------------------------------
 
@@ -297,10 +303,18 @@ class Engine:
     def _new_future(self) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
 
+    def _enqueue(self, work: _Work, num_tokens: int) -> _Work:
+        """Queue a session's one piece of work for the next step (synchronous: no await)."""
+        if work.is_prefill:
+            self.batcher.add_prefill(work.session.id, num_tokens)
+        else:
+            self.batcher.add_round(work.session.id, num_tokens)
+        self._work[work.session.id] = work
+        self._wakeup.set()
+        return work
+
     async def _await_work(self, work: _Work) -> RoundOutcome:
         session = work.session
-        self._work[session.id] = work
-        self._wakeup.set()
         try:
             return await work.future
         except asyncio.CancelledError:
@@ -342,6 +356,9 @@ class Engine:
                         work.future.set_exception(outcome)
                     else:
                         work.future.set_result(outcome)
+                # Let the sessions just woken queue their next work (server-driven
+                # streams do so at once) before the next step is planned.
+                await asyncio.sleep(0)
 
     def _rows(self, plan: StepPlan) -> list[tuple[_Work, PrefillChunk | None]]:
         return [(self._work[key], None) for key in plan.rounds] + [
@@ -382,13 +399,18 @@ class Engine:
         if server_drafted:
             self._draft_on_server(server_drafted)
         requests = [self._request(work, chunk) for work, chunk in rows]
+        target_started = time.monotonic()
         logits = self.runner.forward(requests)
         forward_s = time.monotonic() - started
         batch_tokens = sum(len(request.token_ids) for request in requests)
+        self.cost_model.observe(
+            batch_tokens=batch_tokens, batch_rows=len(rows), seconds=time.monotonic() - target_started
+        )
         self.stats.observe_step(
             batch_size=len(rows), batch_tokens=batch_tokens, forward_s=forward_s, schedule_s=schedule_s
         )
-        self.load += 0.25 * (min(1.0, batch_tokens / self.config.batcher.max_batch_tokens) - self.load)
+        self._budget_share += 0.25 * (min(1.0, batch_tokens / self.config.batcher.max_batch_tokens) - self._budget_share)
+        self.load = self.cost_model.load(fallback=self._budget_share)
         outcomes: list[RoundOutcome | Exception | None] = []
         for (work, chunk), row_logits in zip(rows, logits):
             timing = RoundTiming(max(0.0, started - work.queued_at), forward_s, len(rows), batch_tokens)
