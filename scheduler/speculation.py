@@ -2,10 +2,11 @@
 
 With per-token acceptance a, a round of k drafts commits on average
 E(k) = (1 - a^(k+1)) / (1 - a) tokens. What it costs the server depends on
-load: an idle server is memory-bound, so extra tokens in a forward are
-nearly free; a saturated one is compute-bound, so every token costs. We model
-the cost of a round as 1 + load * k, with load in [0, 1] the busy share of
-the step budget, and advise the k that maximises E(k) / (1 + load * k).
+the hardware and the load: a GPU at small batches is memory-bound, so extra
+tokens in a forward are nearly free; a saturated GPU, or a CPU, pays for
+every token. We model the cost of a round as 1 + load * k, with load in
+[0, 1] the marginal cost of a token relative to a one-token round (measured
+by StepCostModel below), and advise the k that maximises E(k) / (1 + load * k).
 When no k beats plain decoding (k = 0, one token per unit cost), the advice
 is 0: drafting is off and the server decodes alone. Every `probe_every`-th
 round of such a session still advises 1 token, so a session whose acceptance
@@ -18,6 +19,7 @@ recovers gets speculation back.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 
@@ -76,3 +78,49 @@ class SessionSpeculation:
             return advice
         self.rounds_off += 1
         return 1 if self.rounds_off % self.config.probe_every == 0 else 0
+
+
+class StepCostModel:
+    """The server's measured cost of a forward: step time ~ a + b * tokens, fitted online.
+
+    `load()` is the marginal cost of one more token in a round, relative to
+    what a round of one token costs when `rows` rounds share a step's fixed
+    cost a:  load = b / (a / rows + b).  A GPU at small batches has b ~ 0
+    (drafting is nearly free); a CPU whose matrix kernels slow down with every
+    extra row has a large b, and speculation there must be short or off.
+
+        a = 0.75, b = 0.25 per step unit, 1 row:   load = 0.25
+        same hardware, 8 rows sharing a step:      load = 0.25 / (0.094 + 0.25) = 0.73
+    """
+
+    def __init__(self, window: int = 128, min_steps: int = 8):
+        self.window = window
+        self.min_steps = min_steps
+        self._samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._rows: collections.deque[int] = collections.deque(maxlen=window)
+
+    def observe(self, *, batch_tokens: int, batch_rows: int, seconds: float) -> None:
+        self._samples.append((batch_tokens, seconds))
+        self._rows.append(batch_rows)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) by least squares over the window; None until the token counts vary enough."""
+        if len(self._samples) < self.min_steps:
+            return None
+        n = len(self._samples)
+        mean_x = sum(x for x, _ in self._samples) / n
+        mean_y = sum(y for _, y in self._samples) / n
+        var_x = sum((x - mean_x) ** 2 for x, _ in self._samples)
+        if var_x < 1e-9 * n or mean_y <= 0:
+            return None
+        b = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var_x)
+        a = max(0.0, mean_y - b * mean_x)
+        return a, b
+
+    def load(self, fallback: float) -> float:
+        fitted = self.fit()
+        if fitted is None:
+            return fallback
+        a, b = fitted
+        rows = sum(self._rows) / len(self._rows)
+        return b / (a / rows + b) if a + b > 0 else fallback

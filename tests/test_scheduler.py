@@ -3,7 +3,7 @@
 import pytest
 
 from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, PrefillChunk, SlotAllocator, slots_within_budget
-from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig, advise, expected_tokens
+from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig, StepCostModel, advise, expected_tokens
 
 
 def test_slots_are_handed_out_and_given_back():
@@ -124,3 +124,27 @@ def test_slots_are_sized_to_the_kv_budget():
     assert slots_within_budget(requested=2, bytes_per_slot=gib, budget_bytes=10 * gib) == 2
     with pytest.raises(ValueError, match="one KV slot needs 1.00 GiB but the KV budget is 0.50 GiB"):
         slots_within_budget(requested=1, bytes_per_slot=gib, budget_bytes=gib // 2)
+
+
+def test_step_cost_model_measures_the_marginal_cost_of_a_token():
+    model = StepCostModel(min_steps=4)
+    assert model.load(fallback=0.1) == 0.1  # nothing measured yet
+    for tokens in (1, 5, 2, 9, 1, 5):
+        model.observe(batch_tokens=tokens, batch_rows=1, seconds=0.75 + 0.25 * tokens)
+    a, b = model.fit()
+    assert a == pytest.approx(0.75) and b == pytest.approx(0.25)
+    assert model.load(fallback=0.0) == pytest.approx(0.25)  # one round per step pays the fixed cost alone
+    for tokens in (8, 12, 16, 8, 12, 16) * 30:
+        model.observe(batch_tokens=tokens, batch_rows=8, seconds=0.75 + 0.25 * tokens)
+    assert model.load(fallback=0.0) == pytest.approx(0.25 / (0.75 / 8 + 0.25))  # rows share it: tokens dominate
+
+
+def test_step_cost_model_needs_varied_steps_and_free_tokens_mean_no_load():
+    flat = StepCostModel(min_steps=3)
+    for _ in range(10):
+        flat.observe(batch_tokens=4, batch_rows=4, seconds=0.3)
+    assert flat.fit() is None and flat.load(fallback=0.5) == 0.5
+    memory_bound = StepCostModel(min_steps=3)  # a GPU at small batch: time does not grow with tokens
+    for tokens in (1, 4, 16, 64):
+        memory_bound.observe(batch_tokens=tokens, batch_rows=1, seconds=0.02)
+    assert memory_bound.load(fallback=0.9) == 0.0
