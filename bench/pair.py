@@ -31,10 +31,16 @@ PROMPTS = [
 ]
 
 
-def start_server(model: str, port: int, *extra_args: str) -> subprocess.Popen:
+def start_server(model: str, port: int, *extra_args: str, pin_cpus: set[int] | None = None) -> subprocess.Popen:
+    """`specedge-server` in its own process; with `pin_cpus`, confined to those CPUs (torch threads to match)."""
+    env = None
+    if pin_cpus:
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(pin_cpus))}
     process = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "specedge-server"), "--model", model, "--port", str(port),
          *extra_args],
+        env=env,
+        preexec_fn=(lambda: os.sched_setaffinity(0, pin_cpus)) if pin_cpus else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -54,6 +60,11 @@ async def run(args: argparse.Namespace, address: str) -> list[dict]:
     resolved = resolve(args.draft)
     tokenizer = load_tokenizer(resolved)
     drafter = load_drafter(resolved)
+    # Warm-up, not measured: a fresh server's first forwards page its weights in.
+    warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    for num_draft in (0, args.num_draft):
+        async with EdgeClient(address, tokenizer.fingerprint, config=EdgeConfig(num_draft=num_draft, max_new_tokens=8)) as c:
+            await c.generate(warmup, drafter if num_draft else None)
     rows = []
     for text in PROMPTS[: args.num_prompts]:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import socket
 import sys
 import time
 import urllib.request
 
-from specedge.bench.pair import PROMPTS, start_server
+from .pair import PROMPTS, start_server
 
 EXTRA_PROMPTS = [
     "Write a bash one-liner that counts lines in all .py files.",
@@ -48,17 +49,51 @@ def scrape(port: int) -> dict[str, float]:
     return {name: float(re.search(pattern, text, re.M).group(1)) for name, pattern in wanted.items()}
 
 
-async def run_mode(address: str, prompts: list[list[int]], drafters, fingerprint, args) -> dict:
+async def run_mode(address: str, prompts: list[list[int]], drafters, fingerprint, num_draft: int, max_tokens: int):
     from specedge.edge_client.client import EdgeClient, EdgeConfig
 
     async def one(prompt, drafter):
-        config = EdgeConfig(num_draft=args.num_draft if drafter else 0, max_new_tokens=args.max_tokens)
+        config = EdgeConfig(num_draft=num_draft if drafter else 0, max_new_tokens=max_tokens)
         async with EdgeClient(address, fingerprint, config=config) as client:
             return await client.generate(prompt, drafter)
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one(p, d) for p, d in zip(prompts, drafters)))
     return {"wall_s": time.perf_counter() - started, "results": results}
+
+
+async def measure(args, address: str, metrics_port: int, all_prompts, drafters, fingerprint) -> list[dict]:
+    """Every mode and N in one event loop (grpc.aio dislikes a new loop per run)."""
+    # Warm-up, not measured: a fresh server's first forwards page its weights in.
+    await run_mode(address, all_prompts[:1], [None], fingerprint, 0, 8)
+    rows = []
+    for num_edges in args.edges:
+        prompts = [all_prompts[i % len(all_prompts)] for i in range(num_edges)]
+        row = {"edges": num_edges}
+        for mode, edge_drafters in (("server_only", [None] * num_edges), ("specedge", drafters[:num_edges])):
+            before = await asyncio.to_thread(scrape, metrics_port)
+            measured = await run_mode(address, prompts, edge_drafters, fingerprint, args.num_draft, args.max_tokens)
+            after = await asyncio.to_thread(scrape, metrics_port)
+            delta = {key: after[key] - before[key] for key in after}
+            results = measured["results"]
+            tokens = sum(len(r.token_ids) for r in results)
+            busy = delta["forward"] + delta["schedule"]
+            row[mode] = {
+                "tokens": tokens,
+                "wall_s": measured["wall_s"],
+                "server_busy_s": busy,
+                "tokens_per_server_s": tokens / busy,
+                "tokens_per_wall_s": tokens / measured["wall_s"],
+                "scheduler_share": delta["schedule"] / busy,
+                "mean_batch_size": delta["rows"] / delta["steps"],
+                "acceptance_rate": sum(r.stats.accepted_tokens for r in results)
+                / max(1, sum(r.stats.draft_tokens for r in results)),
+                "token_ids": [r.token_ids for r in results],
+            }
+        row["identical"] = row["specedge"]["token_ids"] == row["server_only"]["token_ids"]
+        rows.append(row)
+        print(_line(row), file=sys.stderr)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-draft", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads per simulated edge")
+    parser.add_argument(
+        "--pin", action="store_true",
+        help="server on CPU 0, edges on the others, in every mode: the edges' drafting then cannot slow the "
+        "server's forwards, as on separate machines",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -80,42 +120,23 @@ def main(argv: list[str] | None = None) -> int:
         a.bind(("127.0.0.1", 0))
         b.bind(("127.0.0.1", 0))
         port, metrics_port = a.getsockname()[1], b.getsockname()[1]
-    server = start_server(args.model, port, "--metrics-port", str(metrics_port), "--max-sessions", str(max(args.edges)))
+    server_args = ["--metrics-port", str(metrics_port), "--max-sessions", str(max(args.edges))]
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin:
+        if len(cpus) < 2:
+            parser.error("--pin needs at least 2 CPUs")
+        server = start_server(args.model, port, *server_args, pin_cpus={cpus[0]})
+        os.sched_setaffinity(0, set(cpus[1:]))
+    else:
+        server = start_server(args.model, port, *server_args)
     address = f"127.0.0.1:{port}"
     resolved = resolve(args.draft)
     tokenizer = load_tokenizer(resolved)
     texts = PROMPTS + EXTRA_PROMPTS
     all_prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     drafters = [load_drafter(resolved, n_threads=args.draft_threads) for _ in range(max(args.edges))]
-    rows = []
     try:
-        for num_edges in args.edges:
-            prompts = [all_prompts[i % len(all_prompts)] for i in range(num_edges)]
-            row = {"edges": num_edges}
-            for mode, edge_drafters in (("server_only", [None] * num_edges), ("specedge", drafters[:num_edges])):
-                before = scrape(metrics_port)
-                measured = asyncio.run(run_mode(address, prompts, edge_drafters, tokenizer.fingerprint, args))
-                after = scrape(metrics_port)
-                delta = {key: after[key] - before[key] for key in after}
-                tokens = sum(len(r.token_ids) for r in measured["results"])
-                busy = delta["forward"] + delta["schedule"]
-                row[mode] = {
-                    "tokens": tokens,
-                    "wall_s": measured["wall_s"],
-                    "server_busy_s": busy,
-                    "tokens_per_server_s": tokens / busy,
-                    "tokens_per_wall_s": tokens / measured["wall_s"],
-                    "scheduler_share": delta["schedule"] / busy,
-                    "mean_batch_size": delta["rows"] / delta["steps"],
-                    "acceptance_rate": (
-                        sum(r.stats.accepted_tokens for r in measured["results"])
-                        / max(1, sum(r.stats.draft_tokens for r in measured["results"]))
-                    ),
-                    "token_ids": [r.token_ids for r in measured["results"]],
-                }
-            row["identical"] = row["specedge"]["token_ids"] == row["server_only"]["token_ids"]
-            rows.append(row)
-            print(_line(row), file=sys.stderr)
+        rows = asyncio.run(measure(args, address, metrics_port, all_prompts, drafters, tokenizer.fingerprint))
     finally:
         for drafter in drafters:
             drafter.close()
