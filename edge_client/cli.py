@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--server-only", action="store_true", help="let the server generate alone (no draft model)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument("--stats", action="store_true", help="after the streamed answer, one stats line on stderr")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
     parser.add_argument("--log-level", default="error", help="log level of the libraries' messages on stderr")
     return parser.parse_args(argv)
@@ -92,7 +93,18 @@ async def _run(args: argparse.Namespace) -> int:
         print(json.dumps({"text": stream.text(), "token_ids": result.token_ids, "stats": result.stats.as_dict()}))
     else:
         print(flush=True)
+        if args.stats:
+            print(format_stats(result.stats), file=sys.stderr)
     return 0
+
+
+def format_stats(stats) -> str:
+    """One line a person can read: speed, acceptance, tokens per target forward."""
+    tokens_per_s = 1e3 * stats.num_tokens / stats.total_ms if stats.total_ms else 0.0
+    line = f"[{stats.num_tokens} tokens, {tokens_per_s:.1f} tok/s, first token {stats.ttft_ms:.0f} ms"
+    if stats.draft_tokens:
+        line += f", acceptance {stats.acceptance_rate:.0%}, {stats.tokens_per_round:.2f} tokens per verify round"
+    return line + "]"
 
 
 def main(argv: list[str] | None = None) -> int:

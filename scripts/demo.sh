@@ -19,20 +19,15 @@ until grep -q "specedge-server ready on" "$LOG"; do
 done
 grep "specedge-server ready on" "$LOG" >&2
 
-echo "--- speculative (edge drafts 4 tokens a round, server verifies):" >&2
+echo "--- speculative: the edge drafts with the 0.5B, the server verifies with the 1.5B (streamed):" >&2
 "$BIN/specedge-edge" --server "127.0.0.1:$PORT" --draft qwen2.5-coder-0.5b --prompt "$PROMPT" --max-tokens 96 \
-    --json >/tmp/specedge-demo-spec.json
-"$BIN/python" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["text"]); print(r["stats"], file=sys.stderr)' \
-    /tmp/specedge-demo-spec.json
-echo "--- server-only (the target alone), for comparison:" >&2
+    --stats | tee /tmp/specedge-demo-spec.txt
+echo "--- server-only: the 1.5B alone, for comparison:" >&2
 "$BIN/specedge-edge" --server "127.0.0.1:$PORT" --server-only --prompt "$PROMPT" --max-tokens 96 \
-    --json >/tmp/specedge-demo-alone.json
-"$BIN/python" - /tmp/specedge-demo-spec.json /tmp/specedge-demo-alone.json <<'PY'
-import json, sys
-spec, alone = (json.load(open(p)) for p in sys.argv[1:])
-same = spec["token_ids"] == alone["token_ids"]
-print(f"token-identical to server-only: {same}; acceptance {spec['stats']['acceptance_rate']:.2f}, "
-      f"{spec['stats']['tokens_per_round']:.2f} tokens per target forward "
-      f"(server-only: 1.00); wall ITL {spec['stats']['itl_ms']:.0f} ms vs {alone['stats']['itl_ms']:.0f} ms")
-sys.exit(0 if same else 1)
-PY
+    --stats >/tmp/specedge-demo-alone.txt
+if cmp -s /tmp/specedge-demo-spec.txt /tmp/specedge-demo-alone.txt; then
+    echo "identical to the target alone: yes" >&2
+else
+    echo "identical to the target alone: NO (see /tmp/specedge-demo-*.txt)" >&2
+    exit 1
+fi

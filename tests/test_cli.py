@@ -56,6 +56,17 @@ def test_edge_errors_are_one_actionable_line(server, tiny_draft_dir, tiny_foreig
         assert len(lines) == 1 and lines[0].startswith("specedge-edge: ") and message in lines[0], result.stderr
 
 
+def test_streamed_answer_with_a_stats_line(server, tiny_draft_dir):
+    _, address = server
+    common = ["--server", address, "--draft", str(tiny_draft_dir), "--prompt", "print(i * i)", "--max-tokens", "30"]
+    streamed = edge(*common, "--stats")
+    as_json = edge(*common, "--json")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout.rstrip("\n") == json.loads(as_json.stdout)["text"]
+    [stats_line] = streamed.stderr.strip().splitlines()
+    assert stats_line.startswith("[30 tokens, ") and "acceptance" in stats_line and "first token" in stats_line
+
+
 def test_server_refuses_an_unknown_model_in_one_line():
     result = subprocess.run(
         [f"{BIN}/specedge-server", "--model", "no-such-model"], capture_output=True, text=True, timeout=120
@@ -70,3 +81,4 @@ def test_server_stops_cleanly_on_sigterm(server):
     started = time.monotonic()
     assert process.wait(timeout=30) == 0
     assert time.monotonic() - started < 30
+
