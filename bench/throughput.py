@@ -42,6 +42,7 @@ def scrape(port: int) -> dict[str, float]:
     wanted = {
         "forward": r"^specedge:forward_seconds_sum (\S+)$",
         "schedule": r"^specedge:schedule_seconds_sum (\S+)$",
+        "postprocess": r"^specedge:postprocess_seconds_sum (\S+)$",
         "steps": r"^specedge:engine_steps_total (\S+)$",
         "rows": r"^specedge:batch_size_sum (\S+)$",
         "generated": r"^specedge:generation_tokens_total (\S+)$",
@@ -77,14 +78,15 @@ async def measure(args, address: str, metrics_port: int, all_prompts, drafters, 
             delta = {key: after[key] - before[key] for key in after}
             results = measured["results"]
             tokens = sum(len(r.token_ids) for r in results)
-            busy = delta["forward"] + delta["schedule"]
+            busy = delta["forward"] + delta["schedule"] + delta["postprocess"]
             row[mode] = {
                 "tokens": tokens,
                 "wall_s": measured["wall_s"],
                 "server_busy_s": busy,
                 "tokens_per_server_s": tokens / busy,
                 "tokens_per_wall_s": tokens / measured["wall_s"],
-                "scheduler_share": delta["schedule"] / busy,
+                # Everything the engine does besides the forward: planning, verification, commit.
+                "scheduler_share": (delta["schedule"] + delta["postprocess"]) / busy,
                 "mean_batch_size": delta["rows"] / delta["steps"],
                 "acceptance_rate": sum(r.stats.accepted_tokens for r in results)
                 / max(1, sum(r.stats.draft_tokens for r in results)),

@@ -406,9 +406,7 @@ class Engine:
         self.cost_model.observe(
             batch_tokens=batch_tokens, batch_rows=len(rows), seconds=time.monotonic() - target_started
         )
-        self.stats.observe_step(
-            batch_size=len(rows), batch_tokens=batch_tokens, forward_s=forward_s, schedule_s=schedule_s
-        )
+
         self._budget_share += 0.25 * (min(1.0, batch_tokens / self.config.batcher.max_batch_tokens) - self._budget_share)
         self.load = self.cost_model.load(fallback=self._budget_share)
         outcomes: list[RoundOutcome | Exception | None] = []
@@ -423,6 +421,13 @@ class Engine:
             except Exception as exc:
                 log.exception("postprocessing session %s failed", work.session.id[:8])
                 outcomes.append(exc)
+        self.stats.observe_step(
+            batch_size=len(rows),
+            batch_tokens=batch_tokens,
+            forward_s=forward_s,
+            schedule_s=schedule_s,
+            postprocess_s=time.monotonic() - started - forward_s,
+        )
         return outcomes
 
     def _after_prefill(self, session: Session, chunk: PrefillChunk, logits, timing: RoundTiming) -> RoundOutcome | None:

@@ -41,6 +41,7 @@ _HISTOGRAMS = (
     ("queue_wait_seconds", "queue_wait_s", "Time a request waited in the queue before its batch ran."),
     ("forward_seconds", "forward_s", "Time of one batched target forward."),
     ("schedule_seconds", "schedule_s", "Time spent choosing one batch."),
+    ("postprocess_seconds", "postprocess_s", "Time spent verifying and committing one batch's rows."),
     ("batch_size", "batch_size", "Requests per engine step."),
     ("batch_tokens", "batch_tokens", "Tokens per engine step."),
 )

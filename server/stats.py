@@ -60,6 +60,7 @@ class ServerStats:
         self.queue_wait_s = Histogram(_SECONDS)
         self.forward_s = Histogram(_SECONDS)
         self.schedule_s = Histogram(_SECONDS)
+        self.postprocess_s = Histogram(_SECONDS)
         self.batch_size = Histogram(_SIZES)
         self.batch_tokens = Histogram(_SIZES)
         self.sessions_rejected = 0
@@ -80,13 +81,17 @@ class ServerStats:
             self.num_prompt_tokens += num_prompt_tokens
             self.num_generated_tokens += 1  # the first token comes with the prefill
 
-    def observe_step(self, *, batch_size: int, batch_tokens: int, forward_s: float, schedule_s: float) -> None:
+    def observe_step(
+        self, *, batch_size: int, batch_tokens: int, forward_s: float, schedule_s: float, postprocess_s: float = 0.0
+    ) -> None:
+        """One engine step: planning, the batched forward, then per-row verification and commit."""
         with self._lock:
             self.num_steps += 1
             self.batch_size.observe(batch_size)
             self.batch_tokens.observe(batch_tokens)
             self.forward_s.observe(forward_s)
             self.schedule_s.observe(schedule_s)
+            self.postprocess_s.observe(postprocess_s)
 
     def observe_queue_wait(self, seconds: float) -> None:
         with self._lock:
@@ -118,6 +123,6 @@ class ServerStats:
                 "sessions_rejected": self.sessions_rejected,
                 **{
                     name: copy.deepcopy(getattr(self, name))
-                    for name in ("queue_wait_s", "forward_s", "schedule_s", "batch_size", "batch_tokens")
+                    for name in ("queue_wait_s", "forward_s", "schedule_s", "postprocess_s", "batch_size", "batch_tokens")
                 },
             }

@@ -61,7 +61,7 @@ def scripted_stats() -> ServerStats:
     stats.observe_round(num_draft_tokens=4, accepted_depth=3, num_committed=4)
     stats.observe_round(num_draft_tokens=4, accepted_depth=1, num_committed=2)
     stats.observe_round(num_draft_tokens=0, accepted_depth=0, num_committed=1)  # server-only round: no draft
-    stats.observe_step(batch_size=3, batch_tokens=12, forward_s=0.02, schedule_s=0.0005)
+    stats.observe_step(batch_size=3, batch_tokens=12, forward_s=0.02, schedule_s=0.0005, postprocess_s=0.002)
     stats.observe_step(batch_size=1, batch_tokens=5000, forward_s=20.0, schedule_s=0.003)  # both past the last bound
     stats.observe_queue_wait(0.001)  # on a bound: counts in that bucket (le is inclusive)
     stats.observe_queue_wait(0.3)
@@ -91,6 +91,7 @@ EXPECTED = {
     **histogram("specedge:queue_wait_seconds", SECONDS_LE, [1] * 8 + [2] * 6, 0.301),
     **histogram("specedge:forward_seconds", SECONDS_LE, [0] * 4 + [1] * 9 + [2], 20.02),
     **histogram("specedge:schedule_seconds", SECONDS_LE, [1, 1] + [2] * 12, 0.0035),
+    **histogram("specedge:postprocess_seconds", SECONDS_LE, [1] + [2] * 13, 0.002),
     **histogram("specedge:batch_size", SIZES_LE, [1, 1] + [2] * 12, 4),
     **histogram("specedge:batch_tokens", SIZES_LE, [0] * 4 + [1] * 9 + [2], 5012),
 }
