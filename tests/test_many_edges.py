@@ -365,3 +365,32 @@ def test_concurrent_server_only_streams_share_forwards(tiny_target_dir, tokenize
     # prefills landing in different steps; alternating streams would need ~4x as many.
     assert stats["num_steps"] <= max(len(r.token_ids) for r in results) + 6
     assert stats["batch_size"].total / stats["batch_size"].count > 2.5
+
+
+def test_a_round_cancelled_in_flight_frees_the_slot_at_once(server, tokenizer):
+    """Mid-round: the call is cancelled while its round waits for the engine; the connection stays open."""
+    engine = server.server.engine
+
+    async def run():
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            opened = await client._stub.OpenSession(
+                pb.OpenSessionRequest(
+                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=[5, 6, 7],
+                    max_new_tokens=50,
+                )
+            )  # fmt: skip
+            busy = engine._executor.submit(time.sleep, 1.5)  # the engine thread is busy: the round must wait
+            call = client._stub.Verify(pb.VerifyRequest(session_id=opened.session_id, num_generated=1))
+            await asyncio.sleep(0.3)
+            assert opened.session_id in engine._work  # queued, not yet run
+            call.cancel()
+            for _ in range(50):
+                if opened.session_id not in engine.sessions:
+                    break
+                await asyncio.sleep(0.02)
+            freed_while_connected = opened.session_id not in engine.sessions
+            await asyncio.to_thread(busy.result)
+            return freed_while_connected
+
+    assert asyncio.run(run())
+    assert engine.slots.num_free == engine.slots.num_slots
