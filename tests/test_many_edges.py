@@ -379,10 +379,13 @@ def test_a_round_cancelled_in_flight_frees_the_slot_at_once(server, tokenizer):
                     max_new_tokens=50,
                 )
             )  # fmt: skip
-            busy = engine._executor.submit(time.sleep, 1.5)  # the engine thread is busy: the round must wait
+            busy = engine._executor.submit(time.sleep, 3.0)  # the engine thread is busy: the round must wait
             call = client._stub.Verify(pb.VerifyRequest(session_id=opened.session_id, num_generated=1))
-            await asyncio.sleep(0.3)
-            assert opened.session_id in engine._work  # queued, not yet run
+            for _ in range(100):
+                if opened.session_id in engine._work:
+                    break
+                await asyncio.sleep(0.01)
+            assert opened.session_id in engine._work and not busy.done()  # queued, not yet run
             call.cancel()
             for _ in range(50):
                 if opened.session_id not in engine.sessions:
