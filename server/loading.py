@@ -9,7 +9,6 @@ saved once as safetensors in the cache dir and reloaded from there in seconds.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import pathlib
@@ -17,7 +16,7 @@ import shutil
 
 import torch
 
-from specedge.registry import ResolvedModel, default_cache_dir
+from specedge.registry import ResolvedModel, default_cache_dir, file_cache_key
 from specedge.server.model import CausalLM, ModelArgs, rope_frequencies
 from specedge.tokens import TokenizerFingerprint, fingerprint_from_gguf, fingerprint_from_hf
 
@@ -74,9 +73,7 @@ def _from_hf(hf_model) -> CausalLM:
 
 def _converted_from_gguf(gguf_path: pathlib.Path, cache_dir: pathlib.Path) -> pathlib.Path:
     """An HF safetensors directory holding the dequantized GGUF, made once."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out_dir = cache_dir / "converted" / f"{gguf_path.stem}-{key}"
+    out_dir = cache_dir / "converted" / f"{gguf_path.stem}-{file_cache_key(gguf_path)}"
     if (out_dir / "config.json").exists():
         return out_dir
     from transformers import AutoModelForCausalLM

@@ -122,6 +122,13 @@ def default_cache_dir() -> pathlib.Path:
     return platformdirs.user_cache_path("specedge")
 
 
+def file_cache_key(path: pathlib.Path) -> str:
+    """Names what the cache derives from a file: changes when the file is replaced or edited."""
+    path = pathlib.Path(path).resolve()
+    stat = path.stat()
+    return hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def resolve(
     model: str,
     *,

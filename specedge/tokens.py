@@ -77,14 +77,10 @@ def fingerprint_from_gguf(path: str | pathlib.Path, cache_dir: pathlib.Path | No
     Parsing GGUF metadata takes ~15 s for a 150k-token vocabulary, so the
     result is kept in `cache_dir` keyed by the file's path, size and mtime.
     """
-    path = pathlib.Path(path).resolve()
-    stat = path.stat()
-    if cache_dir is None:
-        from specedge.registry import default_cache_dir
+    from specedge.registry import default_cache_dir, file_cache_key
 
-        cache_dir = default_cache_dir()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
-    cache_file = cache_dir / "fingerprints" / f"{key}.json"
+    path = pathlib.Path(path).resolve()
+    cache_file = (cache_dir or default_cache_dir()) / "fingerprints" / f"{file_cache_key(path)}.json"
     try:
         cached = json.loads(cache_file.read_text())
         return TokenizerFingerprint(**{**cached, "eos_token_ids": tuple(cached["eos_token_ids"])})
