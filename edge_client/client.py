@@ -1,44 +1,44 @@
-"""The edge's gRPC client: handshake, then draft -> verify rounds until the server says stop.
+"""The edge's connection to a server: handshake, lease, one method per RPC, and reconnecting.
 
-The speculative loop, in full:
-
-    open session (server prefills, returns its first token)
-    repeat: draft k tokens after everything committed so far
-            send them; the server returns the accepted drafts + its own next token
-            append those; stop when the server reports a finish reason
-    close session
-
-Draft compute runs in a worker thread so the event loop (and with it the
-gRPC channel) never blocks on the model.
+What a generation does with these calls (drafting, proactive drafting,
+resuming, falling back) lives in edge_client/generation.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import secrets
+import logging
+import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from specedge import wire
-from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, Drafter, DraftSampling
+from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, Drafter, TreeBudget
 from specedge.tokens import IncompatibleTokenizer, TokenizerFingerprint, check_compatible
-from specedge.types import FinishReason, SamplingParams
+from specedge.types import SamplingParams
 from specedge.v1 import specedge_pb2 as pb
 from specedge.v1 import specedge_pb2_grpc
 
-TokenCallback = Callable[[Sequence[int]], None]
+log = logging.getLogger(__name__)
+
+# A callback gets each batch of committed tokens; returning True stops the answer there (a stop string).
+TokenCallback = Callable[[Sequence[int]], "bool | None"]
 
 
 class EdgeError(Exception):
     """A failure the user can act on; the message is one line."""
 
 
+class ConnectionLost(EdgeError):
+    """The server could not be reached (down, restarting, or the network dropped)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class EdgeConfig:
-    num_draft: int = 4  # draft tokens per round
+    num_draft: int = 4  # draft tokens per round (chains)
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None  # same seed, same output (speculative or not)
@@ -47,63 +47,49 @@ class EdgeConfig:
     # verifies by rejection sampling (accepts more than matching its samples).
     rejection_sampling: bool = True
     draft_top_k: int = DEFAULT_DRAFT_TOP_K
+    # Stop a chain before the first draft token whose draft probability is below this (llama.cpp's --draft-p-min).
+    draft_p_min: float = 0.0
+    # Draft trees instead of chains (drafters with propose_tree, e.g. the torch drafter).
+    tree: TreeBudget | None = None
+    # Draft the next round while this one is verified (chains only).
+    proactive: bool = True
+    max_guesses: int = 3  # verify outcomes drafted ahead for, likeliest first
+    # When the draft model fails, or drafting is measured slower than the server
+    # alone, finish the answer server-only and say so in the stats.
+    slow_draft_fallback: bool = False
     rpc_timeout_s: float = 120.0  # per RPC; a verify round normally takes well under a second
+    # After a lost connection: how long to keep trying to reconnect and resume.
+    reconnect_timeout_s: float = 30.0
+    # An emulated network, injected on the edge side: each RPC waits rtt/2 each
+    # way, plus uniform jitter in [0, jitter].
+    simulated_rtt_ms: float = 0.0
+    simulated_jitter_ms: float = 0.0
 
     def __post_init__(self):
         if self.num_draft < 0:
             raise ValueError(f"num_draft must be >= 0, got {self.num_draft}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclasses.dataclass
-class GenerationStats:
-    rounds: int = 0  # verify rounds (each one target forward)
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    num_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        """Tokens committed per verify round (accepted drafts + the server's own), after the first token."""
-        return (self.num_tokens - 1) / self.rounds if self.rounds else 0.0
-
-    @property
-    def itl_ms(self) -> float:
-        """Mean time between tokens after the first."""
-        return (self.total_ms - self.ttft_ms) / (self.num_tokens - 1) if self.num_tokens > 1 else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "rounds": self.rounds,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": round(self.acceptance_rate, 4),
-            "tokens_per_round": round(self.tokens_per_round, 4),
-            "ttft_ms": round(self.ttft_ms, 2),
-            "itl_ms": round(self.itl_ms, 2),
-        }
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    token_ids: list[int]
-    finish: FinishReason
-    stats: GenerationStats
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min}")
+        if self.max_guesses < 1:
+            raise ValueError(f"max_guesses must be >= 1, got {self.max_guesses}")
+        if min(self.simulated_rtt_ms, self.simulated_jitter_ms, self.reconnect_timeout_s) < 0:
+            raise ValueError("simulated delays and the reconnect timeout must be >= 0")
 
 
 def _explain(exc: grpc.aio.AioRpcError, address: str) -> EdgeError:
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        return EdgeError(f"cannot reach the server at {address} ({exc.details()}); is specedge-server running there?")
+        return ConnectionLost(
+            f"cannot reach the server at {address} ({exc.details()}); is specedge-server running there?"
+        )
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return EdgeError(f"the server at {address} did not answer in time")
     return EdgeError(f"server refused: {exc.code().name}: {exc.details()}")
+
+
+class SessionGone(EdgeError):
+    """The server no longer knows the session (it expired, or the server restarted)."""
 
 
 class EdgeClient:
@@ -117,28 +103,69 @@ class EdgeClient:
         self._stub: specedge_pb2_grpc.SpecEdgeStub | None = None
         self._lease: grpc.aio.UnaryStreamCall | None = None
         self.server_info: pb.HandshakeResponse | None = None
+        self._rng = random.Random()
 
     async def __aenter__(self) -> EdgeClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._disconnect()
+
+    async def connect(self) -> None:
         # Its own TCP connection, even beside other clients in this process: the
         # server binds sessions to the connection that opened them.
+        await self._disconnect()
         self._channel = grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
         self._stub = specedge_pb2_grpc.SpecEdgeStub(self._channel)
         await self.handshake()
         # The connection's lease: if this process dies, the server frees our slots at once.
         self._lease = self._stub.Attach(pb.AttachRequest())
-        return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def reconnect(self, timeout_s: float | None = None) -> None:
+        """Connect again, with exponential backoff, for up to `timeout_s` (default: the config's)."""
+        deadline = time.monotonic() + (self.config.reconnect_timeout_s if timeout_s is None else timeout_s)
+        backoff = 0.1
+        while True:
+            try:
+                await self.connect()
+                return
+            except ConnectionLost:
+                if time.monotonic() + backoff > deadline:
+                    raise
+                log.info("server at %s unreachable; retrying in %.1f s", self.address, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _disconnect(self) -> None:
         if self._lease is not None:
             self._lease.cancel()
+            self._lease = None
         if self._channel is not None:
             await self._channel.close()
+            self._channel = None
 
-    async def _call(self, method, request):
+    def _one_way_s(self) -> float:
+        """Half an emulated round trip plus jitter, in seconds; 0 without a simulated network."""
+        config = self.config
+        if not (config.simulated_rtt_ms or config.simulated_jitter_ms):
+            return 0.0
+        return (config.simulated_rtt_ms / 2 + self._rng.uniform(0.0, config.simulated_jitter_ms)) / 1e3
+
+    async def _network_delay(self) -> None:
+        if delay := self._one_way_s():
+            await asyncio.sleep(delay)
+
+    async def _call(self, method, request, **options):
+        await self._network_delay()
         try:
-            return await method(request, timeout=self.config.rpc_timeout_s)
+            reply = await method(request, timeout=self.config.rpc_timeout_s, **options)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise SessionGone(exc.details()) from None
             raise _explain(exc, self.address) from None
+        await self._network_delay()
+        return reply
 
     async def handshake(self) -> pb.HandshakeResponse:
         request = pb.HandshakeRequest(
@@ -146,10 +173,7 @@ class EdgeClient:
             draft_tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             client_name="specedge-edge",
         )
-        try:
-            reply = await self._stub.Handshake(request, timeout=self.config.rpc_timeout_s, wait_for_ready=False)
-        except grpc.aio.AioRpcError as exc:
-            raise _explain(exc, self.address) from None
+        reply = await self._call(self._stub.Handshake, request, wait_for_ready=False)
         try:  # the server checks too; checking here gives the same answer without trusting it
             check_compatible(self.fingerprint, wire.fingerprint_from_proto(reply.target_tokenizer))
         except IncompatibleTokenizer as exc:
@@ -157,96 +181,105 @@ class EdgeClient:
         self.server_info = reply
         return reply
 
-    async def generate(
-        self, prompt: Sequence[int], drafter: Drafter | None, on_tokens: TokenCallback = lambda tokens: None
-    ) -> GenerationResult:
-        """Speculative generation with `drafter`, or server-only generation when it is None."""
-        if drafter is None or self.config.num_draft == 0:
-            return await self._generate_server_only(prompt, on_tokens)
-        return await self._generate_speculative(prompt, drafter, on_tokens)
+    # -- one method per RPC --------------------------------------------------
 
-    async def _generate_speculative(
-        self, prompt: Sequence[int], drafter: Drafter, on_tokens: TokenCallback
-    ) -> GenerationResult:
-        config, stats = self.config, GenerationStats()
-        started = time.perf_counter()
-        opened = await self._call(
-            self._stub.OpenSession,
-            pb.OpenSessionRequest(
-                tokenizer=wire.fingerprint_to_proto(self.fingerprint),
-                prompt_token_ids=prompt,
-                max_new_tokens=config.max_new_tokens,
-                sampling=wire.sampling_to_proto(config.sampling, config.seed),
-            ),
+    async def open_session(self, prompt: Sequence[int], max_new_tokens: int) -> pb.OpenSessionResponse:
+        config = self.config
+        request = pb.OpenSessionRequest(
+            tokenizer=wire.fingerprint_to_proto(self.fingerprint),
+            prompt_token_ids=prompt,
+            max_new_tokens=max_new_tokens,
+            sampling=wire.sampling_to_proto(config.sampling, config.seed),
         )
-        stats.ttft_ms = (time.perf_counter() - started) * 1e3
-        tokens = [opened.first_token_id]
-        on_tokens(tokens)
-        finish = wire.finish_from_proto(opened.finish_reason)
-        max_draft = min(config.num_draft, opened.limits.max_draft_tokens)
-        advised = opened.advised_draft_tokens
-        draft_sampling = None
-        if config.rejection_sampling and not config.sampling.greedy:
-            draft_sampling = DraftSampling(
-                temperature=config.sampling.temperature,
-                top_k=config.draft_top_k,
-                seed=config.seed if config.seed is not None else secrets.randbits(63),
-            )
-        try:
-            while finish is FinishReason.NONE:
-                # Advice 0 means drafting does not pay right now: the round
-                # carries no drafts and the server decodes one token itself.
-                num_draft = min(max_draft, advised) if config.follow_advice else max_draft
-                draft = await asyncio.to_thread(drafter.propose, [*prompt, *tokens], num_draft, draft_sampling)
-                reply = await self._call(
-                    self._stub.Verify,
-                    pb.VerifyRequest(
-                        session_id=opened.session_id,
-                        draft_token_ids=draft.token_ids,
-                        num_generated=len(tokens),
-                        draft_probs=wire.dists_to_proto(draft.dists or ()),
-                    ),
-                )
-                advised = reply.advised_draft_tokens
-                stats.rounds += 1
-                stats.draft_tokens += len(draft.token_ids)
-                stats.accepted_tokens += len(reply.accepted_nodes)
-                tokens += reply.token_ids
-                on_tokens(reply.token_ids)
-                finish = wire.finish_from_proto(reply.finish_reason)
-        finally:
-            await self._close_quietly(opened.session_id)
-        stats.num_tokens, stats.total_ms = len(tokens), (time.perf_counter() - started) * 1e3
-        return GenerationResult(tokens, finish, stats)
+        return await self._call(self._stub.OpenSession, request)
 
-    async def _close_quietly(self, session_id: str) -> None:
+    async def continue_session(
+        self, session_id: str, keep_tokens: int, new_tokens: Sequence[int], max_new_tokens: int
+    ) -> pb.OpenSessionResponse:
+        config = self.config
+        request = pb.ContinueSessionRequest(
+            session_id=session_id,
+            keep_tokens=keep_tokens,
+            token_ids=new_tokens,
+            max_new_tokens=max_new_tokens,
+            sampling=wire.sampling_to_proto(config.sampling, config.seed),
+        )
+        return await self._call(self._stub.ContinueSession, request)
+
+    async def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        return await self._call(self._stub.Verify, request)
+
+    async def close_session(self, session_id: str) -> None:
         """Free the server's slot; shielded so that a cancelled generation still frees it."""
+        if self._stub is None:
+            return
         try:
             await asyncio.shield(self._stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=5))
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
-            pass  # the server's idle timeout frees the slot anyway
+            pass  # the server's idle timeout (or the broken lease) frees the slot anyway
 
-    async def _generate_server_only(self, prompt: Sequence[int], on_tokens: TokenCallback) -> GenerationResult:
-        config, stats = self.config, GenerationStats()
-        started = time.perf_counter()
+    async def generate_stream(self, prompt: Sequence[int], max_new_tokens: int) -> AsyncIterator[pb.GenerateResponse]:
+        """Server-only generation, one message per token, each delivered half a round trip after it left."""
+        config = self.config
         request = pb.GenerateRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             prompt_token_ids=prompt,
-            max_new_tokens=config.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(config.sampling, config.seed),
         )
-        tokens: list[int] = []
-        finish = FinishReason.NONE
+        await self._network_delay()
+        # No overall deadline: a long answer streams for as long as it takes;
+        # a dead server breaks the stream with UNAVAILABLE.
+        call = self._stub.Generate(request)
         try:
-            async for reply in self._stub.Generate(request, timeout=config.rpc_timeout_s * config.max_new_tokens):
-                if not tokens:
-                    stats.ttft_ms = (time.perf_counter() - started) * 1e3
-                else:
-                    stats.rounds += 1
-                tokens += reply.token_ids
-                on_tokens(reply.token_ids)
-                finish = wire.finish_from_proto(reply.finish_reason)
+            async for reply, arrived in self._timestamped(call):
+                # Messages pipeline: each is due one way after it arrived, not after the one before.
+                await asyncio.sleep(max(0.0, arrived + self._one_way_s() - time.monotonic()))
+                yield reply
         except grpc.aio.AioRpcError as exc:
             raise _explain(exc, self.address) from None
-        stats.num_tokens, stats.total_ms = len(tokens), (time.perf_counter() - started) * 1e3
-        return GenerationResult(tokens, finish, stats)
+        finally:
+            call.cancel()  # a no-op after the last message; frees the server's session when stopped early
+
+    async def _timestamped(self, call):
+        """The stream's messages with their arrival times, read as they come even while the consumer sleeps."""
+        if not (self.config.simulated_rtt_ms or self.config.simulated_jitter_ms):
+            async for reply in call:
+                yield reply, time.monotonic()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def read():
+            try:
+                async for reply in call:
+                    queue.put_nowait((reply, time.monotonic(), None))
+                queue.put_nowait((None, 0.0, None))
+            except grpc.aio.AioRpcError as exc:
+                queue.put_nowait((None, 0.0, exc))
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                reply, arrived, error = await queue.get()
+                if error is not None:
+                    raise error
+                if reply is None:
+                    return
+                yield reply, arrived
+        finally:
+            reader.cancel()
+
+    # -- generation --------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        drafter: Drafter | None,
+        on_tokens: TokenCallback = lambda tokens: None,
+        *,
+        conversation=None,
+    ):
+        """Speculative generation with `drafter`, or server-only when it is None; see generation.py."""
+        from specedge.edge_client.generation import Generation
+
+        return await Generation(self, prompt, drafter, on_tokens, conversation).run()

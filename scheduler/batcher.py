@@ -42,7 +42,7 @@ class BatcherConfig:
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
     key: Hashable
-    start: int  # prompt tokens already prefilled
+    start: int  # prompt tokens already prefilled (the chunk's first KV position)
     num_tokens: int
     is_last: bool
 
@@ -81,10 +81,11 @@ class Batcher:
             raise ValueError(f"{key!r} already has work queued")
         self._rounds[key] = num_tokens
 
-    def add_prefill(self, key: Hashable, num_tokens: int) -> None:
+    def add_prefill(self, key: Hashable, num_tokens: int, start: int = 0) -> None:
+        """Queue prompt tokens start .. start + num_tokens (start > 0: a later turn, the rest is cached)."""
         if key in self._rounds or key in self._prefills:
             raise ValueError(f"{key!r} already has work queued")
-        self._prefills[key] = _Prefill(key, num_tokens)
+        self._prefills[key] = _Prefill(key, total=start + num_tokens, done=start)
 
     def remove(self, key: Hashable) -> None:
         """Forget a session's queued work (closed or cancelled); a no-op if none."""

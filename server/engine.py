@@ -75,6 +75,7 @@ class _Work:
     future: asyncio.Future
     queued_at: float  # time.monotonic()
     is_prefill: bool = False
+    prefill_start: int = 0  # prompt tokens already cached before this prefill (a later turn)
     draft_token_ids: tuple[int, ...] = ()
     draft_parents: tuple[int, ...] = ()
     draft_dists: tuple[SparseDist, ...] = ()  # chains only: q of each draft token (rejection sampling)
@@ -155,6 +156,48 @@ class Engine:
         self.sessions[session.id] = session
         self._update_session_gauges()
         work = self._enqueue(_Work(session, self._new_future(), time.monotonic(), is_prefill=True), len(prompt))
+        return session, await self._await_work(work)
+
+    async def continue_session(
+        self,
+        owner: str,
+        session_id: str,
+        keep_tokens: int,
+        new_tokens: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        seed: int | None,
+    ) -> tuple[Session, RoundOutcome]:
+        """A new turn: keep the session's first `keep_tokens` tokens (and their KV), prefill `new_tokens`."""
+        session = self._owned(owner, session_id)
+        if session.id in self._work:
+            raise errors.FailedPrecondition("the session has work in flight; wait for its reply before a new turn")
+        if keep_tokens > session.num_context:
+            raise errors.InvalidArgument(
+                f"keep_tokens {keep_tokens} exceeds the session's {session.num_context} tokens; open a new session"
+            )
+        self._check_token_ids(new_tokens, "prompt")
+        prompt = (*session.prompt, *session.generated)[:keep_tokens] + tuple(new_tokens)
+        if not new_tokens and keep_tokens == session.num_context:
+            raise errors.InvalidArgument("the new turn is empty: send the new message's token ids")
+        if not prompt:
+            raise errors.InvalidArgument("the new turn leaves an empty prompt: send at least one token id")
+        if len(prompt) >= self.config.max_context:
+            raise errors.InvalidArgument(
+                f"conversation of {len(prompt)} tokens leaves no room to generate within the server's "
+                f"max context of {self.config.max_context} tokens; start a new conversation"
+            )
+        # KV is valid for the kept tokens that were cached; at least the last
+        # prompt token is run again, for the logits of the next one.
+        cached = min(session.num_cached, keep_tokens, len(prompt) - 1)
+        session.prompt, session.generated, session.num_cached = prompt, [], cached
+        session.draft_cached = min(session.draft_cached, cached)
+        session.max_new_tokens = max_new_tokens or self.config.max_context - len(prompt)
+        session.sampling = sampling
+        session.seed = secrets.randbits(63) if seed is None else seed
+        session.finish = FinishReason.NONE
+        work = _Work(session, self._new_future(), time.monotonic(), is_prefill=True, prefill_start=cached)
+        self._enqueue(work, len(prompt) - cached, start=cached)
         return session, await self._await_work(work)
 
     async def verify(
@@ -303,10 +346,10 @@ class Engine:
     def _new_future(self) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
 
-    def _enqueue(self, work: _Work, num_tokens: int) -> _Work:
+    def _enqueue(self, work: _Work, num_tokens: int, start: int = 0) -> _Work:
         """Queue a session's one piece of work for the next step (synchronous: no await)."""
         if work.is_prefill:
-            self.batcher.add_prefill(work.session.id, num_tokens)
+            self.batcher.add_prefill(work.session.id, num_tokens, start)
         else:
             self.batcher.add_round(work.session.id, num_tokens)
         self._work[work.session.id] = work
@@ -417,7 +460,7 @@ class Engine:
                     self.stats.observe_queue_wait(timing.queue_s)
                     outcomes.append(self._after_round(work, row_logits, timing))
                 else:
-                    outcomes.append(self._after_prefill(work.session, chunk, row_logits, timing))
+                    outcomes.append(self._after_prefill(work, chunk, row_logits, timing))
             except Exception as exc:
                 log.exception("postprocessing session %s failed", work.session.id[:8])
                 outcomes.append(exc)
@@ -430,7 +473,8 @@ class Engine:
         )
         return outcomes
 
-    def _after_prefill(self, session: Session, chunk: PrefillChunk, logits, timing: RoundTiming) -> RoundOutcome | None:
+    def _after_prefill(self, work: _Work, chunk: PrefillChunk, logits, timing: RoundTiming) -> RoundOutcome | None:
+        session = work.session
         session.num_cached = chunk.start + chunk.num_tokens
         if not chunk.is_last:
             return None

@@ -116,6 +116,9 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
         session, outcome = await self.engine.open_session(
             self._owner(context), list(request.prompt_token_ids), request.max_new_tokens, sampling, seed
         )
+        return self._opened(session, outcome)
+
+    def _opened(self, session, outcome: RoundOutcome) -> pb.OpenSessionResponse:
         return pb.OpenSessionResponse(
             session_id=session.id,
             first_token_id=outcome.token_ids[0],
@@ -123,6 +126,20 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
             limits=self._limits(),
             advised_draft_tokens=outcome.advised_draft_tokens,
         )
+
+    @_statuses
+    async def ContinueSession(self, request: pb.ContinueSessionRequest, context) -> pb.OpenSessionResponse:
+        sampling, seed = self._sampling(request.sampling)
+        session, outcome = await self.engine.continue_session(
+            self._owner(context),
+            request.session_id,
+            request.keep_tokens,
+            list(request.token_ids),
+            request.max_new_tokens,
+            sampling,
+            seed,
+        )
+        return self._opened(session, outcome)
 
     @_statuses
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:

@@ -38,7 +38,9 @@ def test_edge_json_speculative_equals_server_only(server, tiny_draft_dir):
     assert spec_out["token_ids"] == alone_out["token_ids"] and len(spec_out["token_ids"]) == 30
     assert set(spec_out["stats"]) == {
         "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_round", "ttft_ms", "itl_ms",
+        "proactive_hit_rate", "wait_hidden_share", "resumes", "fallback",
     }  # fmt: skip
+    assert spec_out["stats"]["fallback"] is None and alone_out["stats"]["fallback"] is None
     assert spec_out["stats"]["rounds"] < 29 and alone_out["stats"]["rounds"] == 29
 
 

@@ -56,22 +56,75 @@ class DraftChain:
     # Sampled drafts only: the distribution q each token was sampled from,
     # which the server's rejection sampler needs. None for greedy drafts.
     dists: tuple[SparseDist, ...] | None = None
+    # The draft's second choice at each position and its probability: the
+    # likeliest target token where a draft is rejected (proactive guesses).
+    runner_up_ids: tuple[int, ...] = ()
+    runner_up_probs: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBudget:
+    """SpecExec-style budget for a draft tree, grown best-first by path probability."""
+
+    max_depth: int = 6  # longest root-to-leaf path
+    max_width: int = 3  # children per node
+    max_nodes: int = 16  # draft tokens in all (the server's max_draft_tokens caps it)
+
+    def __post_init__(self):
+        if min(self.max_depth, self.max_width, self.max_nodes) < 1:
+            raise ValueError("tree depth, width and node budgets must all be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens with parent indices in the wire's numbering (0 = the last committed token)."""
+
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...]  # parents[i] < i + 1: every node comes after its parent
+    probs: tuple[float, ...]  # draft probability of each token given its parent path
+
+
+class ChainBuilder:
+    """Collects a chain token by token, for the drafters' loops."""
+
+    def __init__(self, sampling: DraftSampling | None):
+        self._sampled = sampling is not None
+        self._fields: tuple[list, ...] = ([], [], [], [], [])
+
+    def add(self, token: int, prob: float, dist: SparseDist | None, runner_up: int, runner_up_prob: float) -> None:
+        for field, value in zip(self._fields, (token, prob, dist, runner_up, runner_up_prob)):
+            field.append(value)
+
+    def build(self) -> DraftChain:
+        token_ids, probs, dists, runner_up_ids, runner_up_probs = map(tuple, self._fields)
+        return DraftChain(token_ids, probs, dists if self._sampled else None, runner_up_ids, runner_up_probs)
 
 
 class Drafter(Protocol):
     fingerprint: TokenizerFingerprint
 
-    def propose(self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None) -> DraftChain:
+    def propose(
+        self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None, min_prob: float = 0.0
+    ) -> DraftChain:
         """Draft up to `num_tokens` tokens that follow `context`: greedily, or
         sampled as `sampling` says (then the chain carries each token's q).
 
         `context` is every committed token, prompt included. The drafter's
         cache afterwards holds `context` plus all but the last drafted token.
+        The chain stops before the first token whose draft probability is
+        below `min_prob` (llama.cpp's --draft-p-min): unlikely drafts are
+        rarely accepted and cost verification compute.
         """
         ...
 
     def close(self) -> None:
         """Release the model (memory, threads). The drafter is unusable after."""
+        ...
+
+
+class TreeDrafter(Drafter, Protocol):
+    def propose_tree(self, context: Sequence[int], budget: TreeBudget, min_prob: float = 0.0) -> DraftTree:
+        """A greedy draft tree after `context`; the cache afterwards holds `context` only."""
         ...
 
 

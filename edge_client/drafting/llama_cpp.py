@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from specedge.edge_client.drafting.base import DraftChain, DraftSampling, SparseDist, sample_top_k
+from specedge.edge_client.drafting.base import ChainBuilder, DraftChain, DraftSampling, SparseDist, sample_top_k
 from specedge.edge_client.llama_log import route_llama_logs_to_logging
 from specedge.tokens import fingerprint_from_gguf
 
@@ -57,7 +57,9 @@ class LlamaCppDrafter:
         self._max_tokens = self._llm.n_ctx()
         self.fingerprint = fingerprint_from_gguf(model_path)
 
-    def propose(self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None) -> DraftChain:
+    def propose(
+        self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None, min_prob: float = 0.0
+    ) -> DraftChain:
         if len(context) == 0:
             raise ValueError("cannot draft from an empty context")
         if num_tokens < 0:
@@ -76,25 +78,24 @@ class LlamaCppDrafter:
         llm.n_tokens = keep  # rollback: eval() drops the cache from here on
         llm.eval(suffix.tolist())
 
-        token_ids: list[int] = []
-        probs: list[float] = []
-        dists: list[SparseDist] = []
+        chain = ChainBuilder(sampling)
         for step in range(num_tokens):
             logits = self._last_logits()  # [vocab]
+            first, second = _top_two(logits)
             if sampling is None:
-                token = int(np.argmax(logits))
+                token, dist = first, None
             else:
                 token, dist = self._sample_next(logits, sampling, position=len(context_ids) + step)
-                dists.append(dist)
-            token_ids.append(token)
-            probs.append(_softmax_prob(logits, token))
+            prob = _softmax_prob(logits, token)
+            if prob < min_prob:
+                break
+            runner_up = second if token == first else first
+            chain.add(token, prob, dist, runner_up, _softmax_prob(logits, runner_up))
             # The last draft stays unevaluated: if it is accepted, the next
             # call evaluates it as part of that call's suffix.
             if step + 1 < num_tokens:
                 llm.eval([token])
-        return DraftChain(
-            token_ids=tuple(token_ids), probs=tuple(probs), dists=None if sampling is None else tuple(dists)
-        )
+        return chain.build()
 
     def close(self) -> None:
         if self._llm is not None:
@@ -128,6 +129,13 @@ class LlamaCppDrafter:
         num_kept = min(sampling.top_k, self._num_vocab)
         top_ids = np.argpartition(logits, -num_kept)[-num_kept:]  # [num_kept], unordered
         return sample_top_k(top_ids.tolist(), logits[top_ids].tolist(), sampling, position)
+
+
+def _top_two(logits: np.ndarray) -> tuple[int, int]:
+    """The two largest logits' token ids, largest first."""
+    pair = np.argpartition(logits, -2)[-2:]  # [2], unordered
+    first, second = (int(pair[1]), int(pair[0])) if logits[pair[1]] >= logits[pair[0]] else (int(pair[0]), int(pair[1]))
+    return first, second
 
 
 def _softmax_prob(logits: np.ndarray, token: int) -> float:

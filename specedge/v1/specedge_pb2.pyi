@@ -114,6 +114,20 @@ class OpenSessionResponse(_message.Message):
     advised_draft_tokens: int
     def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., advised_draft_tokens: _Optional[int] = ...) -> None: ...
 
+class ContinueSessionRequest(_message.Message):
+    __slots__ = ("session_id", "keep_tokens", "token_ids", "max_new_tokens", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keep_tokens: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., keep_tokens: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "draft_token_ids", "draft_parents", "num_generated", "draft_probs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class SpecEdgeStub:
                 request_serializer=specedge_dot_v1_dot_specedge__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=specedge_dot_v1_dot_specedge__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
+        self.ContinueSession = channel.unary_unary(
+                '/specedge.v1.SpecEdge/ContinueSession',
+                request_serializer=specedge_dot_v1_dot_specedge__pb2.ContinueSessionRequest.SerializeToString,
+                response_deserializer=specedge_dot_v1_dot_specedge__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
         self.Verify = channel.unary_unary(
                 '/specedge.v1.SpecEdge/Verify',
                 request_serializer=specedge_dot_v1_dot_specedge__pb2.VerifyRequest.SerializeToString,
@@ -78,6 +83,15 @@ class SpecEdgeServicer:
 
     def OpenSession(self, request, context):
         """Prefill a prompt into a fresh KV slot and return the target's first token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContinueSession(self, request, context):
+        """A new turn in an open session (multi-turn chat): keep the session's first
+        `keep_tokens` tokens and their KV, append `token_ids`, prefill only those,
+        and return the target's next token. Only the new message is prefilled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,6 +141,11 @@ def add_SpecEdgeServicer_to_server(servicer, server):
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
                     request_deserializer=specedge_dot_v1_dot_specedge__pb2.OpenSessionRequest.FromString,
+                    response_serializer=specedge_dot_v1_dot_specedge__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'ContinueSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContinueSession,
+                    request_deserializer=specedge_dot_v1_dot_specedge__pb2.ContinueSessionRequest.FromString,
                     response_serializer=specedge_dot_v1_dot_specedge__pb2.OpenSessionResponse.SerializeToString,
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
@@ -203,6 +222,33 @@ class SpecEdge:
             target,
             '/specedge.v1.SpecEdge/OpenSession',
             specedge_dot_v1_dot_specedge__pb2.OpenSessionRequest.SerializeToString,
+            specedge_dot_v1_dot_specedge__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContinueSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specedge.v1.SpecEdge/ContinueSession',
+            specedge_dot_v1_dot_specedge__pb2.ContinueSessionRequest.SerializeToString,
             specedge_dot_v1_dot_specedge__pb2.OpenSessionResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,382 @@
+"""One answer, start to finish: speculative rounds, proactive drafting, resuming, falling back.
+
+The speculative loop, in full:
+
+    open the session (or continue the conversation's): the server prefills, returns its first token
+    repeat: draft k tokens after everything committed so far (or take what was drafted ahead)
+            send them; while they are verified, draft ahead from the likeliest outcomes
+            append the accepted drafts + the server's own token; stop on a finish reason
+    close the session (a conversation keeps it for the next turn)
+
+A lost connection reconnects and re-opens the session with every committed
+token as its prompt, so the answer goes on with nothing lost or repeated. A
+draft model that fails (or, if asked, drafts slower than the server decodes
+alone) hands the rest of the answer to the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+
+from specedge import wire
+from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeError, SessionGone, TokenCallback
+from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling, DraftTree
+from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
+from specedge.types import FinishReason
+from specedge.v1 import specedge_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SLOW_FALLBACK_MIN_ROUNDS = 4  # rounds measured before deciding drafting does not pay
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    rounds: int = 0  # verify rounds (each one target forward)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    num_tokens: int = 0
+    proactive_rounds: int = 0  # rounds that were drafted ahead for
+    proactive_hits: int = 0  # ... whose outcome matched a guess, so the next draft was ready
+    hidden_draft_ms: float = 0.0  # drafting done while waiting for the server, and used
+    visible_draft_ms: float = 0.0  # drafting the answer waited for
+    wait_ms: float = 0.0  # verify round trips
+    resumes: int = 0  # sessions re-opened after a lost connection
+    fallback: str | None = None  # why (part of) the answer was generated server-only
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Tokens committed per verify round (accepted drafts + the server's own), after the first token."""
+        return (self.num_tokens - 1) / self.rounds if self.rounds else 0.0
+
+    @property
+    def itl_ms(self) -> float:
+        """Mean time between tokens after the first."""
+        return (self.total_ms - self.ttft_ms) / (self.num_tokens - 1) if self.num_tokens > 1 else 0.0
+
+    @property
+    def proactive_hit_rate(self) -> float:
+        return self.proactive_hits / self.proactive_rounds if self.proactive_rounds else 0.0
+
+    @property
+    def wait_hidden_share(self) -> float:
+        """Share of the per-round wait (drafting + round trip) that drafting ahead took off the critical path."""
+        total = self.hidden_draft_ms + self.visible_draft_ms + self.wait_ms
+        return self.hidden_draft_ms / total if total else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_round": round(self.tokens_per_round, 4),
+            "ttft_ms": round(self.ttft_ms, 2),
+            "itl_ms": round(self.itl_ms, 2),
+            "proactive_hit_rate": round(self.proactive_hit_rate, 4),
+            "wait_hidden_share": round(self.wait_hidden_share, 4),
+            "resumes": self.resumes,
+            "fallback": self.fallback,
+        }
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish: FinishReason
+    stats: GenerationStats
+
+
+@dataclasses.dataclass
+class Conversation:
+    """A server session kept open across turns: each new turn prefills only the new message."""
+
+    session_id: str | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the session's, as the server holds them
+
+    def reset(self) -> None:
+        self.session_id, self.tokens = None, []
+
+
+class _FallBack(Exception):
+    """Drafting cannot go on; the rest of the answer is the server's alone."""
+
+
+class Generation:
+    def __init__(
+        self,
+        client: EdgeClient,
+        prompt: Sequence[int],
+        drafter: Drafter | None,
+        on_tokens: TokenCallback,
+        conversation: Conversation | None,
+    ):
+        self.client, self.config = client, client.config
+        self.prompt = list(prompt)
+        self.drafter = drafter
+        self.on_tokens = on_tokens
+        self.conversation = conversation
+        self.tokens: list[int] = []  # committed in this answer
+        self.finish = FinishReason.NONE
+        self.stats = GenerationStats()
+        self.session_id: str | None = None
+        self._session_base = 0  # answer tokens that were the current session's prompt (after a resume)
+        self._advised = 0
+        self._max_draft = self.config.num_draft
+        self._draft_sampling: DraftSampling | None = None
+        if self.config.rejection_sampling and not self.config.sampling.greedy:
+            seed = self.config.seed if self.config.seed is not None else secrets.randbits(63)
+            self._draft_sampling = DraftSampling(self.config.sampling.temperature, self.config.draft_top_k, seed)
+        self._depth = DepthEstimator()
+        self._server_ms_per_round: float | None = None  # smoothed, for the slow-draft fallback
+        self._max_draft_nodes = 0  # the server's limit, learnt when the session opens
+
+    async def run(self) -> GenerationResult:
+        started = time.perf_counter()
+        wants_drafts = self.drafter is not None and (self.config.num_draft > 0 or self.config.tree is not None)
+        if self.config.tree is not None and self.drafter is not None and not hasattr(self.drafter, "propose_tree"):
+            raise EdgeError("tree drafting needs a drafter that drafts trees (the torch drafter); use chains")
+        keep_session = False
+        try:
+            if wants_drafts:
+                try:
+                    await self._speculative(started)
+                except _FallBack as exc:
+                    self.stats.fallback = str(exc)
+                    log.warning("falling back to server-only generation: %s", exc)
+                    await self._close_session()
+            if self.finish is FinishReason.NONE:
+                await self._server_only(started)
+            keep_session = self.conversation is not None and self.session_id is not None
+        finally:
+            if keep_session:
+                self.conversation.session_id = self.session_id
+                self.conversation.tokens = [*self.prompt, *self.tokens]
+            else:
+                await self._close_session()
+                if self.conversation is not None:
+                    self.conversation.reset()
+        self.stats.num_tokens, self.stats.total_ms = len(self.tokens), (time.perf_counter() - started) * 1e3
+        return GenerationResult(self.tokens, self.finish, self.stats)
+
+    # -- speculative -------------------------------------------------------
+
+    async def _speculative(self, started: float) -> None:
+        await self._open(started)
+        worker = DraftWorker(self.drafter)
+        ready: DraftChain | None = None  # drafted ahead for the outcome that came true
+        try:
+            while self.finish is FinishReason.NONE:
+                try:
+                    ready = await self._round(worker, ready)
+                except (ConnectionLost, SessionGone) as exc:
+                    log.warning("lost the session (%s); resuming", exc)
+                    ready = None
+                    await self._resume(started)
+        finally:
+            await worker.close()
+
+    async def _round(self, worker: DraftWorker, ready: DraftChain | None) -> DraftChain | None:
+        """One verify round; returns the next round's chain if it was drafted ahead and came true."""
+        context = [*self.prompt, *self.tokens]
+        request, chain = await self._draft(worker, context, ready)
+        proactive = None
+        if chain is not None and chain.token_ids and self.config.proactive:
+            proactive = ProactiveRound(worker, self._draft_sampling, self.config.draft_p_min)
+            depth = self._depth.tokens_per_wait(cap=max(1, self._wanted_draft()))
+            proactive.start(context, chain, guess_outcomes(chain, self.config.max_guesses), depth)
+        sent = time.perf_counter()
+        try:
+            reply = await self.client.verify(request)
+        except BaseException:
+            if proactive is not None:
+                await proactive.finish(())  # the drafter must be idle before anything else uses it
+            raise
+        wait_s = time.perf_counter() - sent
+        self._depth.observe_wait(wait_s)
+        self.stats.wait_ms += wait_s * 1e3
+        predraft = None
+        if proactive is not None:
+            predraft = await proactive.finish(reply.token_ids)
+            self.stats.proactive_rounds += 1
+            if predraft is not None and reply.finish_reason == pb.FINISH_REASON_NONE:
+                self.stats.proactive_hits += 1
+        self._commit_round(request, reply)
+        self._check_speed(reply)
+        if proactive is None or predraft is None or self.finish is not FinishReason.NONE:
+            return None
+        used = min(len(predraft.chain.token_ids), self._wanted_draft())
+        if predraft.chain.token_ids:
+            self.stats.hidden_draft_ms += predraft.draft_s * 1e3 * used / len(predraft.chain.token_ids)
+        return predraft.chain
+
+    def _wanted_draft(self) -> int:
+        return min(self._max_draft, self._advised) if self.config.follow_advice else self._max_draft
+
+    async def _draft(self, worker: DraftWorker, context: list[int], ready: DraftChain | None):
+        """This round's VerifyRequest, and its chain (None for a tree)."""
+        drafted = time.perf_counter()
+        try:
+            if self.config.tree is not None:
+                tree = await self._draft_tree(worker, context)
+                chain, token_ids, parents, dists = None, tree.token_ids, tree.parents, ()
+            else:
+                chain = await self._draft_chain(worker, context, ready)
+                token_ids, parents, dists = chain.token_ids, (), chain.dists or ()
+        except Exception as exc:  # a broken draft model must not end the answer
+            raise _FallBack(f"the draft model failed: {type(exc).__name__}: {exc}") from exc
+        draft_s = time.perf_counter() - drafted
+        self.stats.visible_draft_ms += draft_s * 1e3
+        if ready is None:
+            self._depth.observe_draft(draft_s, len(token_ids))
+        request = pb.VerifyRequest(
+            session_id=self.session_id,
+            draft_token_ids=token_ids,
+            draft_parents=parents,
+            num_generated=len(self.tokens) - self._session_base,
+            draft_probs=wire.dists_to_proto(dists),
+        )
+        return request, chain
+
+    async def _draft_chain(self, worker: DraftWorker, context: list[int], ready: DraftChain | None) -> DraftChain:
+        # Advice 0 means drafting does not pay right now: the round carries no
+        # drafts and the server decodes one token itself.
+        wanted = self._wanted_draft()
+        chain = ready if ready is not None else DraftChain((), (), None if self._draft_sampling is None else ())
+        chain = _truncate(chain, wanted)
+        if len(chain.token_ids) < wanted:
+            more = await worker.run(
+                self.drafter.propose,
+                [*context, *chain.token_ids],
+                wanted - len(chain.token_ids),
+                self._draft_sampling,
+                self.config.draft_p_min,
+            )
+            chain = concat(chain, more)
+        return chain
+
+    async def _draft_tree(self, worker: DraftWorker, context: list[int]):
+        budget = self.config.tree
+        if self.config.follow_advice and self._advised == 0:
+            budget = None
+        elif budget.max_nodes > self._max_draft_nodes:
+            budget = dataclasses.replace(budget, max_nodes=self._max_draft_nodes)
+        if budget is None:
+            return DraftTree((), (), ())
+        return await worker.run(self.drafter.propose_tree, context, budget, self.config.draft_p_min)
+
+    def _commit_round(self, request: pb.VerifyRequest, reply: pb.VerifyResponse) -> None:
+        self.stats.rounds += 1
+        self.stats.draft_tokens += len(request.draft_token_ids)
+        self.stats.accepted_tokens += len(reply.accepted_nodes)
+        self._advised = reply.advised_draft_tokens
+        self._commit(reply.token_ids, wire.finish_from_proto(reply.finish_reason))
+
+    def _check_speed(self, reply: pb.VerifyResponse) -> None:
+        """Fall back when the measured speculative time per token exceeds the server's time per round."""
+        if not self.config.slow_draft_fallback or not reply.token_ids:
+            return
+        # Server-only decoding costs about one step per token (no round trip);
+        # a round's step carries more tokens, so this errs towards drafting.
+        spec_ms = (self.stats.visible_draft_ms + self.stats.wait_ms) / max(1, len(self.tokens) - 1)
+        server_ms = reply.timing.forward_ms + reply.timing.queue_ms
+        previous = self._server_ms_per_round
+        self._server_ms_per_round = server_ms if previous is None else 0.7 * previous + 0.3 * server_ms
+        if self.stats.rounds >= SLOW_FALLBACK_MIN_ROUNDS and spec_ms > self._server_ms_per_round:
+            raise _FallBack(
+                f"drafting is slower than the server alone ({spec_ms:.0f} ms per token with drafts, "
+                f"the server takes {self._server_ms_per_round:.0f} ms per token)"
+            )
+
+    # -- sessions ----------------------------------------------------------
+
+    async def _open(self, started: float) -> None:
+        """Open a session for the prompt, or continue the conversation's with only the new tokens."""
+        remaining = self.config.max_new_tokens - len(self.tokens)
+        prompt = [*self.prompt, *self.tokens]
+        opened = None
+        conversation = self.conversation
+        if conversation is not None and conversation.session_id is not None and not self.tokens:
+            keep = _common_prefix(conversation.tokens, prompt)
+            keep = min(keep, len(prompt) - 1)  # at least one token to run, for the next token's logits
+            if keep > 0:
+                try:
+                    opened = await self.client.continue_session(conversation.session_id, keep, prompt[keep:], remaining)
+                except SessionGone:  # expired while the user was typing: start over with the whole history
+                    conversation.reset()
+        if opened is None:
+            opened = await self.client.open_session(prompt, remaining)
+        self.session_id = opened.session_id
+        self._session_base = len(self.tokens)
+        self._advised = opened.advised_draft_tokens
+        self._max_draft = min(self.config.num_draft, opened.limits.max_draft_tokens)
+        self._max_draft_nodes = opened.limits.max_draft_tokens
+        if not self.tokens:
+            self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
+        self._commit([opened.first_token_id], wire.finish_from_proto(opened.finish_reason))
+
+    async def _resume(self, started: float) -> None:
+        """Reconnect and re-open the session with every committed token as its prompt."""
+        self.stats.resumes += 1
+        self.session_id = None
+        if self.conversation is not None:
+            self.conversation.reset()
+        await self.client.reconnect()
+        await self._open(started)
+
+    async def _close_session(self) -> None:
+        if self.session_id is not None:
+            await self.client.close_session(self.session_id)
+            self.session_id = None
+
+    async def _server_only(self, started: float) -> None:
+        """The server decodes the rest alone (from the start, or after a fallback), resuming if the stream breaks."""
+        while self.finish is FinishReason.NONE:
+            prompt = [*self.prompt, *self.tokens]
+            stream = self.client.generate_stream(prompt, self.config.max_new_tokens - len(self.tokens))
+            try:
+                async with contextlib.aclosing(stream):  # leaving early (a stop string) cancels the call
+                    async for reply in stream:
+                        if not self.tokens:
+                            self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
+                        elif reply.token_ids:
+                            self.stats.rounds += 1
+                        self._commit(reply.token_ids, wire.finish_from_proto(reply.finish_reason))
+                        if self.finish is not FinishReason.NONE:
+                            break
+            except ConnectionLost as exc:
+                log.warning("lost the stream (%s); resuming", exc)
+                self.stats.resumes += 1
+                await self.client.reconnect()
+
+    def _commit(self, token_ids: Sequence[int], finish: FinishReason) -> None:
+        self.tokens += token_ids
+        self.finish = finish
+        if self.on_tokens(token_ids) and self.finish is FinishReason.NONE:
+            self.finish = FinishReason.STOP  # the caller saw a stop string
+
+
+def _truncate(chain: DraftChain, num_tokens: int) -> DraftChain:
+    return DraftChain(
+        chain.token_ids[:num_tokens],
+        chain.probs[:num_tokens],
+        None if chain.dists is None else chain.dists[:num_tokens],
+        chain.runner_up_ids[:num_tokens],
+        chain.runner_up_probs[:num_tokens],
+    )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
