@@ -1,4 +1,9 @@
-"""`specedge-edge`: draft on this machine, let a SpecEdge server verify."""
+"""`specedge-edge`: draft on this machine, let a SpecEdge server verify.
+
+    specedge-edge --prompt "..."     one answer, streamed to stdout
+    specedge-edge                    a multi-turn chat in the terminal
+    specedge-edge serve              an OpenAI-compatible API on localhost
+"""
 
 from __future__ import annotations
 
@@ -8,89 +13,108 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
 
 from specedge.types import SamplingParams
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="specedge-edge", description=__doc__.split(":", 1)[1].strip())
+def add_edge_options(parser: argparse.ArgumentParser) -> None:
+    """The options every mode shares: where the server is, what drafts, how."""
     parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of specedge-server")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="built-in name, .gguf file or HF directory")
-    parser.add_argument("--prompt", required=True, help="a user chat message (chat template applied)")
-    parser.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per round")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 128; 1024 in chat)")
+    parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (chains)")
+    parser.add_argument("--draft-p-min", type=float, default=0.0, help="stop a chain below this draft probability")
+    parser.add_argument("--tree", action="store_true", help="draft trees (torch drafter) instead of chains")
+    parser.add_argument("--tree-depth", type=int, default=6)
+    parser.add_argument("--tree-width", type=int, default=3)
+    parser.add_argument("--tree-nodes", type=int, default=16, help="draft tokens per tree")
+    parser.add_argument("--no-proactive", action="store_true", help="do not draft ahead while the server verifies")
+    parser.add_argument("--no-fallback", action="store_true", help="keep drafting even when it is slower than the server")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--server-only", action="store_true", help="let the server generate alone (no draft model)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
+    parser.add_argument("--simulate-rtt-ms", type=float, default=0.0, help="emulate a network round trip (benchmarks)")
+    parser.add_argument("--simulate-jitter-ms", type=float, default=0.0)
+    parser.add_argument("--log-level", default="error", help="log level of the libraries' messages on stderr")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        parser = argparse.ArgumentParser(prog="specedge-edge serve", description="An OpenAI-compatible API on this machine.")
+        add_edge_options(parser)
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--parallel", type=int, default=2, help="answers that draft at once; more wait")
+        args = parser.parse_args(argv[1:])
+        args.mode = "serve"
+        return args
+    parser = argparse.ArgumentParser(prog="specedge-edge", description=__doc__.split("\n")[0].split(":", 1)[1].strip())
+    add_edge_options(parser)
+    parser.add_argument("--prompt", default=None, help="one user message (chat template applied); none: chat")
+    parser.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--stats", action="store_true", help="after the streamed answer, one stats line on stderr")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
-    parser.add_argument("--log-level", default="error", help="log level of the libraries' messages on stderr")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.mode = "chat" if args.prompt is None else "once"
+    return args
 
 
-class TextStream:
-    """Print decoded text as tokens arrive, holding back bytes of an unfinished UTF-8 character."""
+def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
+    from specedge.edge_client.client import EdgeConfig
+    from specedge.edge_client.drafting.base import TreeBudget
+    from specedge.edge_client.runtime import RuntimeConfig
 
-    def __init__(self, tokenizer, eos_token_ids: frozenset[int], out=sys.stdout):
-        self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.out = out
-        self.tokens: list[int] = []
-        self.printed = ""
-
-    def text(self) -> str:
-        return self.tokenizer.decode([t for t in self.tokens if t not in self.eos_token_ids])
-
-    def feed(self, token_ids: Sequence[int]) -> None:
-        self.tokens += token_ids
-        text = self.text()
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[len(self.printed) :])
-        self.out.flush()
-        self.printed = text
-
-
-async def _run(args: argparse.Namespace) -> int:
-    from specedge.edge_client.client import EdgeClient, EdgeConfig
-    from specedge.edge_client.tokenizer import load_tokenizer
-    from specedge.registry import resolve
-
-    config = EdgeConfig(
+    edge = EdgeConfig(
         num_draft=0 if args.server_only else args.num_draft,
-        max_new_tokens=args.max_tokens,
+        max_new_tokens=args.max_tokens or default_max_tokens,
         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
         seed=args.seed,
+        draft_p_min=args.draft_p_min,
+        tree=TreeBudget(args.tree_depth, args.tree_width, args.tree_nodes) if args.tree else None,
+        proactive=not args.no_proactive,
+        slow_draft_fallback=not args.no_fallback,
+        simulated_rtt_ms=args.simulate_rtt_ms,
+        simulated_jitter_ms=args.simulate_jitter_ms,
     )
-    resolved = resolve(args.draft)
-    tokenizer = load_tokenizer(resolved)
-    if args.raw:
-        prompt = tokenizer.encode(args.prompt)
-    else:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    stream = TextStream(tokenizer, tokenizer.eos_token_ids)
-    # Handshake before loading the draft model: an unreachable server or an
-    # incompatible draft is reported in a second, not after a model load.
-    async with EdgeClient(args.server, tokenizer.fingerprint, config=config) as client:
-        drafter = None
-        if not args.server_only:
-            from specedge.edge_client.drafting import load_drafter
+    return RuntimeConfig(
+        server=args.server,
+        draft=args.draft,
+        edge=edge,
+        server_only=args.server_only,
+        threads=args.threads,
+        num_drafters=getattr(args, "parallel", 1),
+    )
 
-            options = {"n_threads": args.threads} if args.threads else {}
-            drafter = await asyncio.to_thread(load_drafter, resolved, **options)
-        try:
-            result = await client.generate(prompt, drafter, on_tokens=lambda t: None if args.json else stream.feed(t))
-        finally:
-            if drafter is not None:
-                drafter.close()
-    stream.tokens = result.token_ids
+
+async def _answer_once(args: argparse.Namespace) -> int:
+    from specedge.edge_client.runtime import EdgeRuntime
+    from specedge.edge_client.text import IncrementalText
+
+    runtime = EdgeRuntime(runtime_config(args))
+    try:
+        await runtime.start()
+        tokenizer = runtime.tokenizer
+        if args.raw:
+            prompt = tokenizer.encode(args.prompt)
+        else:
+            prompt = runtime.chat_prompt([{"role": "user", "content": args.prompt}])
+        text = IncrementalText(tokenizer, tokenizer.eos_token_ids)
+
+        def show(token_ids) -> None:
+            if not args.json:
+                sys.stdout.write(text.feed(token_ids))
+                sys.stdout.flush()
+
+        result = await runtime.generate(prompt, show)
+    finally:
+        await runtime.close()
     if args.json:
-        print(json.dumps({"text": stream.text(), "token_ids": result.token_ids, "stats": result.stats.as_dict()}))
+        answer = tokenizer.decode([t for t in result.token_ids if t not in tokenizer.eos_token_ids])
+        print(json.dumps({"text": answer, "token_ids": result.token_ids, "stats": result.stats.as_dict()}))
     else:
         print(flush=True)
         if args.stats:
@@ -99,11 +123,17 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def format_stats(stats) -> str:
-    """One line a person can read: speed, acceptance, tokens per target forward."""
+    """One line a person can read: speed, acceptance, proactive hits, fallback."""
     tokens_per_s = 1e3 * stats.num_tokens / stats.total_ms if stats.total_ms else 0.0
     line = f"[{stats.num_tokens} tokens, {tokens_per_s:.1f} tok/s, first token {stats.ttft_ms:.0f} ms"
     if stats.draft_tokens:
         line += f", acceptance {stats.acceptance_rate:.0%}, {stats.tokens_per_round:.2f} tokens per verify round"
+    if stats.proactive_rounds:
+        line += f", proactive hits {stats.proactive_hit_rate:.0%} (hid {stats.wait_hidden_share:.0%} of the wait)"
+    if stats.resumes:
+        line += f", resumed {stats.resumes}x"
+    if stats.fallback:
+        line += f", server-only: {stats.fallback}"
     return line + "]"
 
 
@@ -117,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     from specedge.registry import RegistryError
 
     try:
-        return asyncio.run(_run(args))
+        if args.mode == "serve":
+            from specedge.edge_client.openai_api import serve
+
+            return serve(args)
+        if args.mode == "chat":
+            from specedge.edge_client.chat import run_chat
+
+            return run_chat(args)
+        return asyncio.run(_answer_once(args))
     except (EdgeError, RegistryError, ValueError, OSError) as exc:
         print(f"specedge-edge: {exc}", file=sys.stderr)
         return 1

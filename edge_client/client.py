@@ -183,26 +183,32 @@ class EdgeClient:
 
     # -- one method per RPC --------------------------------------------------
 
-    async def open_session(self, prompt: Sequence[int], max_new_tokens: int) -> pb.OpenSessionResponse:
-        config = self.config
+    async def open_session(
+        self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None
+    ) -> pb.OpenSessionResponse:
         request = pb.OpenSessionRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             prompt_token_ids=prompt,
             max_new_tokens=max_new_tokens,
-            sampling=wire.sampling_to_proto(config.sampling, config.seed),
+            sampling=wire.sampling_to_proto(sampling, seed),
         )
         return await self._call(self._stub.OpenSession, request)
 
     async def continue_session(
-        self, session_id: str, keep_tokens: int, new_tokens: Sequence[int], max_new_tokens: int
+        self,
+        session_id: str,
+        keep_tokens: int,
+        new_tokens: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        seed: int | None,
     ) -> pb.OpenSessionResponse:
-        config = self.config
         request = pb.ContinueSessionRequest(
             session_id=session_id,
             keep_tokens=keep_tokens,
             token_ids=new_tokens,
             max_new_tokens=max_new_tokens,
-            sampling=wire.sampling_to_proto(config.sampling, config.seed),
+            sampling=wire.sampling_to_proto(sampling, seed),
         )
         return await self._call(self._stub.ContinueSession, request)
 
@@ -218,14 +224,15 @@ class EdgeClient:
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass  # the server's idle timeout (or the broken lease) frees the slot anyway
 
-    async def generate_stream(self, prompt: Sequence[int], max_new_tokens: int) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate_stream(
+        self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """Server-only generation, one message per token, each delivered half a round trip after it left."""
-        config = self.config
         request = pb.GenerateRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             prompt_token_ids=prompt,
             max_new_tokens=max_new_tokens,
-            sampling=wire.sampling_to_proto(config.sampling, config.seed),
+            sampling=wire.sampling_to_proto(sampling, seed),
         )
         await self._network_delay()
         # No overall deadline: a long answer streams for as long as it takes;
@@ -278,8 +285,12 @@ class EdgeClient:
         on_tokens: TokenCallback = lambda tokens: None,
         *,
         conversation=None,
+        config: EdgeConfig | None = None,
     ):
-        """Speculative generation with `drafter`, or server-only when it is None; see generation.py."""
+        """Speculative generation with `drafter`, or server-only when it is None; see generation.py.
+
+        `config` overrides the client's for this answer (e.g. a request's temperature).
+        """
         from specedge.edge_client.generation import Generation
 
-        return await Generation(self, prompt, drafter, on_tokens, conversation).run()
+        return await Generation(self, prompt, drafter, on_tokens, conversation, config or self.config).run()

@@ -24,10 +24,10 @@ import time
 from collections.abc import Sequence
 
 from specedge import wire
-from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeError, SessionGone, TokenCallback
+from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, EdgeError, SessionGone, TokenCallback
 from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling, DraftTree
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
-from specedge.types import FinishReason
+from specedge.types import FinishReason, SamplingParams
 from specedge.v1 import specedge_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,9 @@ class Generation:
         drafter: Drafter | None,
         on_tokens: TokenCallback,
         conversation: Conversation | None,
+        config: EdgeConfig,
     ):
-        self.client, self.config = client, client.config
+        self.client, self.config = client, config
         self.prompt = list(prompt)
         self.drafter = drafter
         self.on_tokens = on_tokens
@@ -312,11 +313,13 @@ class Generation:
             keep = min(keep, len(prompt) - 1)  # at least one token to run, for the next token's logits
             if keep > 0:
                 try:
-                    opened = await self.client.continue_session(conversation.session_id, keep, prompt[keep:], remaining)
+                    opened = await self.client.continue_session(
+                        conversation.session_id, keep, prompt[keep:], remaining, *self._sampling()
+                    )
                 except SessionGone:  # expired while the user was typing: start over with the whole history
                     conversation.reset()
         if opened is None:
-            opened = await self.client.open_session(prompt, remaining)
+            opened = await self.client.open_session(prompt, remaining, *self._sampling())
         self.session_id = opened.session_id
         self._session_base = len(self.tokens)
         self._advised = opened.advised_draft_tokens
@@ -344,7 +347,8 @@ class Generation:
         """The server decodes the rest alone (from the start, or after a fallback), resuming if the stream breaks."""
         while self.finish is FinishReason.NONE:
             prompt = [*self.prompt, *self.tokens]
-            stream = self.client.generate_stream(prompt, self.config.max_new_tokens - len(self.tokens))
+            remaining = self.config.max_new_tokens - len(self.tokens)
+            stream = self.client.generate_stream(prompt, remaining, *self._sampling())
             try:
                 async with contextlib.aclosing(stream):  # leaving early (a stop string) cancels the call
                     async for reply in stream:
@@ -359,6 +363,9 @@ class Generation:
                 log.warning("lost the stream (%s); resuming", exc)
                 self.stats.resumes += 1
                 await self.client.reconnect()
+
+    def _sampling(self) -> tuple[SamplingParams, int | None]:
+        return self.config.sampling, self.config.seed
 
     def _commit(self, token_ids: Sequence[int], finish: FinishReason) -> None:
         self.tokens += token_ids

@@ -31,7 +31,7 @@ def edge(*args: str) -> subprocess.CompletedProcess:
 def test_edge_json_speculative_equals_server_only(server, tiny_draft_dir):
     _, address = server
     common = ["--server", address, "--draft", str(tiny_draft_dir), "--prompt", "print(i * i)", "--max-tokens", "30"]
-    spec = edge(*common, "--json", "--num-draft", "4")
+    spec = edge(*common, "--json", "--num-draft", "4", "--no-fallback")
     alone = edge(*common, "--json", "--server-only")
     assert spec.returncode == 0 and alone.returncode == 0, spec.stderr + alone.stderr
     spec_out, alone_out = json.loads(spec.stdout), json.loads(alone.stdout)

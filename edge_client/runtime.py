@@ -1,0 +1,122 @@
+"""What every edge front end shares (terminal chat, OpenAI-compatible API, desktop app).
+
+An `EdgeRuntime` owns the tokenizer, one connection to the server and a small
+pool of drafters. Each answer borrows a drafter for its whole length (a
+drafter's KV cache follows one context at a time); answers beyond the pool
+wait for one. A draft model that cannot be loaded leaves the runtime working
+server-only, and every answer's stats say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, TokenCallback
+from specedge.edge_client.generation import Conversation, GenerationResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    server: str  # HOST:PORT of specedge-server
+    draft: str  # built-in name, .gguf file or HF directory: the tokenizer, and the drafter unless server_only
+    edge: EdgeConfig = EdgeConfig()
+    server_only: bool = False  # no draft model: the server generates alone
+    threads: int | None = None  # CPU threads per drafter (llama.cpp)
+    num_drafters: int = 1  # answers that draft at the same time; more wait for a free drafter
+
+    def __post_init__(self):
+        if self.num_drafters < 1:
+            raise ValueError(f"num_drafters must be >= 1, got {self.num_drafters}")
+
+
+class EdgeRuntime:
+    def __init__(self, config: RuntimeConfig):
+        self.config = config
+        self.tokenizer = None
+        self.client: EdgeClient | None = None
+        self.draft_unavailable: str | None = None  # why answers run server-only, when the draft model failed
+        self._drafters: asyncio.Queue = asyncio.Queue()
+        self._all_drafters: list = []
+        self.connected = asyncio.Event()
+
+    async def load_tokenizer(self):
+        from specedge.edge_client.tokenizer import load_tokenizer
+        from specedge.registry import resolve
+
+        self._resolved = await asyncio.to_thread(resolve, self.config.draft)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self._resolved)
+        return self.tokenizer
+
+    async def connect(self, retry_for_s: float | None = 0.0) -> None:
+        """Handshake with the server; keep retrying with backoff for `retry_for_s` (None: forever)."""
+        if self.tokenizer is None:
+            await self.load_tokenizer()
+        self.client = EdgeClient(self.config.server, self.tokenizer.fingerprint, config=self.config.edge)
+        while True:
+            try:
+                await self.client.reconnect(timeout_s=retry_for_s if retry_for_s is not None else 60.0)
+                break
+            except ConnectionLost as exc:
+                if retry_for_s is not None:
+                    raise
+                log.warning("%s; still retrying", exc)
+        self.connected.set()
+
+    async def load_drafters(self) -> None:
+        """Load the draft model(s); on failure, note why and carry on server-only."""
+        if self.config.server_only:
+            return
+        from specedge.edge_client.drafting import load_drafter
+
+        options = {"n_threads": self.config.threads} if self.config.threads else {}
+        try:
+            for _ in range(self.config.num_drafters):
+                drafter = await asyncio.to_thread(load_drafter, self._resolved, **options)
+                self._all_drafters.append(drafter)
+                self._drafters.put_nowait(drafter)
+        except Exception as exc:  # a missing or broken draft model must not stop the answers
+            self.draft_unavailable = f"draft model unavailable ({type(exc).__name__}: {exc})"
+            log.warning("%s; generating server-only", self.draft_unavailable)
+
+    async def start(self, retry_for_s: float | None = 0.0) -> EdgeRuntime:
+        await self.connect(retry_for_s)  # first: an unreachable server is reported before a model load
+        await self.load_drafters()
+        return self
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.__aexit__(None, None, None)
+        for drafter in self._all_drafters:
+            drafter.close()
+        self._all_drafters.clear()
+
+    @property
+    def model_name(self) -> str:
+        return self.client.server_info.model_name if self.client and self.client.server_info else ""
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages)
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        on_tokens: TokenCallback = lambda tokens: None,
+        *,
+        conversation: Conversation | None = None,
+        config: EdgeConfig | None = None,
+    ) -> GenerationResult:
+        if not self._all_drafters:
+            result = await self.client.generate(prompt, None, on_tokens, conversation=conversation, config=config)
+            if self.draft_unavailable and not self.config.server_only:
+                result.stats.fallback = self.draft_unavailable
+            return result
+        drafter = await self._drafters.get()
+        try:
+            return await self.client.generate(prompt, drafter, on_tokens, conversation=conversation, config=config)
+        finally:
+            self._drafters.put_nowait(drafter)
