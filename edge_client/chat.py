@@ -83,7 +83,7 @@ async def chat(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
                 out.write(piece)
                 out.flush()
 
-            prompt = runtime.chat_prompt(history)
+            prompt = runtime.chat_prompt(history, conversation)
             answering = asyncio.create_task(runtime.generate(prompt, show, conversation=conversation))
             try:
                 result = await answering

@@ -210,16 +210,18 @@ class Generation:
         predraft = None
         if proactive is not None:
             predraft = await proactive.finish(reply.token_ids)
+            if reply.finish_reason != pb.FINISH_REASON_NONE:
+                predraft = None  # no next round to use it in
+            elif predraft is not None and not predraft.chain.token_ids:
+                predraft = None  # guessed right, but the reply came before anything was drafted
             self.stats.proactive_rounds += 1
-            if predraft is not None and reply.finish_reason == pb.FINISH_REASON_NONE:
-                self.stats.proactive_hits += 1
+            self.stats.proactive_hits += predraft is not None
         self._commit_round(request, reply)
         self._check_speed(reply)
-        if proactive is None or predraft is None or self.finish is not FinishReason.NONE:
+        if predraft is None or self.finish is not FinishReason.NONE:
             return None
         used = min(len(predraft.chain.token_ids), self._wanted_draft())
-        if predraft.chain.token_ids:
-            self.stats.hidden_draft_ms += predraft.draft_s * 1e3 * used / len(predraft.chain.token_ids)
+        self.stats.hidden_draft_ms += predraft.draft_s * 1e3 * used / len(predraft.chain.token_ids)
         return predraft.chain
 
     def _wanted_draft(self) -> int:

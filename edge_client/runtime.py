@@ -99,8 +99,27 @@ class EdgeRuntime:
     def model_name(self) -> str:
         return self.client.server_info.model_name if self.client and self.client.server_info else ""
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
+    def chat_prompt(self, messages: list[dict[str, str]], conversation: Conversation | None = None) -> list[int]:
+        """Prompt ids for `messages`, ending with the assistant's turn opener.
+
+        With a conversation, its tokens (earlier answers exactly as they were
+        generated) are kept and only the new turn's text is tokenized, so the
+        server and the drafter reuse all their KV. Re-tokenizing an answer's
+        text can split it differently from how it was generated, which would
+        cut the reuse short there.
+        """
+        full = self.tokenizer.apply_chat_template(messages)
+        if conversation is None or not conversation.tokens:
+            return full
+        full_text, held_text = self.tokenizer.decode(full), self.tokenizer.decode(conversation.tokens)
+        if not full_text.startswith(held_text):
+            return full  # the template rewrites history (e.g. strips it): the common prefix is still reused
+        new_text = full_text[len(held_text) :]
+        new_ids = self.tokenizer.encode(new_text)
+        bos = self.tokenizer.fingerprint.bos_token_id
+        if new_ids and bos is not None and new_ids[0] == bos and not new_text.startswith(self.tokenizer.decode([bos])):
+            new_ids = new_ids[1:]  # encode() added a BOS that belongs only at the start of a conversation
+        return [*conversation.tokens, *new_ids]
 
     async def generate(
         self,

@@ -480,7 +480,7 @@ class Engine:
             return None
         [first] = sample(logits, [session.prompt_len], session.sampling, session.seed)
         kept = session.commit([first], num_new_cached=0)
-        self.stats.observe_prefill(num_prompt_tokens=session.prompt_len)
+        self.stats.observe_prefill(num_prompt_tokens=session.prompt_len - work.prefill_start)
         return RoundOutcome((), kept, session.finish, len(session.generated), self._advise(session), timing)
 
     def _after_round(self, work: _Work, logits, timing: RoundTiming) -> RoundOutcome:

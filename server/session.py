@@ -56,7 +56,7 @@ class Session:
 
     def commit(self, tokens: list[int], num_new_cached: int) -> list[int]:
         """Append the round's tokens up to the first stop condition; return those kept."""
-        self.num_cached += num_new_cached
+        num_cached = self.num_cached + num_new_cached
         kept = []
         for token in tokens:
             self.generated.append(token)
@@ -69,4 +69,7 @@ class Session:
                 self.finish = FinishReason.CONTEXT
             if self.finish is not FinishReason.NONE:
                 break
+        # A stop can cut the round short of KV it wrote for accepted drafts;
+        # what counts is the context, all but its newest (pending) token.
+        self.num_cached = min(num_cached, self.num_context - 1)
         return kept

@@ -32,3 +32,11 @@ def tiny_llama_dir(tmp_path_factory):
 def tiny_foreign_dir(tmp_path_factory):
     """A model whose tokenizer differs from the target's: the handshake must refuse it."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-foreign"), seed=3, tokenizer_vocab_size=320, vocab_size=320)
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_target_dir):
+    """The tiny target through transformers itself: the oracle's model (see reference.py)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_target_dir)

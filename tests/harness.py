@@ -45,15 +45,23 @@ class ServerThread:
         self._thread.join(timeout=30)
 
 
+def tiny_server(model_dir, *, max_context: int = 256, **engine_options) -> ServerThread:
+    """A server thread for a tiny model: `with tiny_server(dir, max_sessions=8) as server:`."""
+    from specedge.server.engine import EngineConfig
+
+    engine = EngineConfig(**engine_options)
+    return ServerThread(ServerConfig(model=str(model_dir), port=0, max_context=max_context, engine=engine))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def start_server_process(*args: str, timeout_s: float = 600) -> tuple[subprocess.Popen, str]:
+def start_server_process(*args: str, timeout_s: float = 600, port: int | None = None) -> tuple[subprocess.Popen, str]:
     """Run `specedge-server ARGS --port P` as a user would; return once it prints its ready line."""
-    port = free_port()
+    port = port or free_port()
     command = [os.path.join(os.path.dirname(sys.executable), "specedge-server"), *args, "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready = f"specedge-server ready on 127.0.0.1:{port}"
