@@ -1,13 +1,14 @@
-"""One edge, one server: speculative vs server-only on the same prompts, in one run.
+"""One edge, one server: server-only vs speculative vs proactive, on the same prompts, in one run.
 
-    python -m bench.pair                          # real pair, k=4, 64 tokens, 5 prompts
-    python -m bench.pair --num-draft 8 --out results.json
+    python -m bench.pair                          # real pair, k=4, 64 tokens, 5 prompts, 14 ms RTT
+    python -m bench.pair --num-draft 8 --rtt-ms 0 --out results.json
 
 Starts `specedge-server` as its own process (as in deployment), drafts in this
-process, and runs every prompt both ways back to back, so machine noise hits
-both alike. Reports per response: wall time, target forwards per generated
-token (1 prefill + 1 per round, over tokens), acceptance, and whether the two
-outputs are token-identical.
+process, and runs every prompt in every mode back to back, so machine noise
+hits all alike. The network round trip is emulated on the edge side. Reports
+per response: wall time, inter-token latency, target forwards per generated
+token (1 prefill + 1 per round, over tokens), acceptance, proactive hit rate
+and the share of the wait it hid, and whether the outputs are token-identical.
 """
 
 from __future__ import annotations
@@ -62,15 +63,19 @@ async def run(args: argparse.Namespace, address: str) -> list[dict]:
     drafter = load_drafter(resolved)
     # Warm-up, not measured: a fresh server's first forwards page its weights in.
     warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
-    for num_draft in (0, args.num_draft):
-        async with EdgeClient(address, tokenizer.fingerprint, config=EdgeConfig(num_draft=num_draft, max_new_tokens=8)) as c:
+    modes = {"server_only": (0, False), "speculative": (args.num_draft, False), "proactive": (args.num_draft, True)}
+    for num_draft, proactive in modes.values():
+        config = EdgeConfig(num_draft=num_draft, max_new_tokens=8, proactive=proactive)
+        async with EdgeClient(address, tokenizer.fingerprint, config=config) as c:
             await c.generate(warmup, drafter if num_draft else None)
     rows = []
     for text in PROMPTS[: args.num_prompts]:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}])
         row = {"prompt": text}
-        for mode, num_draft in (("server_only", 0), ("speculative", args.num_draft)):
-            config = EdgeConfig(num_draft=num_draft, max_new_tokens=args.max_tokens)
+        for mode, (num_draft, proactive) in modes.items():
+            config = EdgeConfig(
+                num_draft=num_draft, max_new_tokens=args.max_tokens, proactive=proactive, simulated_rtt_ms=args.rtt_ms
+            )
             async with EdgeClient(address, tokenizer.fingerprint, config=config) as client:
                 started = time.perf_counter()
                 result = await client.generate(prompt, drafter if num_draft else None)
@@ -83,12 +88,12 @@ async def run(args: argparse.Namespace, address: str) -> list[dict]:
                 **stats.as_dict(),
                 "token_ids": result.token_ids,
             }
-        row["identical"] = row["speculative"]["token_ids"] == row["server_only"]["token_ids"]
+        row["identical"] = all(row[mode]["token_ids"] == row["server_only"]["token_ids"] for mode in modes)
         rows.append(row)
         print(
-            f"{text[:48]:48s}  server-only {row['server_only']['wall_s']:6.2f} s  "
-            f"speculative {row['speculative']['wall_s']:6.2f} s  "
-            f"acceptance {row['speculative']['acceptance_rate']:.2f}  identical {row['identical']}",
+            f"{text[:40]:40s}  ITL ms: server-only {row['server_only']['itl_ms']:6.1f}  "
+            f"speculative {row['speculative']['itl_ms']:6.1f}  proactive {row['proactive']['itl_ms']:6.1f}  "
+            f"hits {row['proactive']['proactive_hit_rate']:.2f}  identical {row['identical']}",
             file=sys.stderr,
         )
     drafter.close()
@@ -96,24 +101,41 @@ async def run(args: argparse.Namespace, address: str) -> list[dict]:
 
 
 def summarize(rows: list[dict], args: argparse.Namespace) -> str:
-    spec = [r["speculative"] for r in rows]
-    alone = [r["server_only"] for r in rows]
-    drafted = sum(s["draft_tokens"] for s in spec)
-    ratio = statistics.mean(s["wall_s"] / a["wall_s"] for s, a in zip(spec, alone))
+    by_mode = {mode: [r[mode] for r in rows] for mode in ("server_only", "speculative", "proactive")}
+
+    def mean(mode: str, key: str) -> float:
+        return statistics.mean(s[key] for s in by_mode[mode])
+
+    def ratio(mode: str, base: str, key: str) -> float:
+        return statistics.mean(s[key] / b[key] for s, b in zip(by_mode[mode], by_mode[base]))
+
+    def forwards(mode: str) -> float:
+        return sum(1 + s["rounds"] for s in by_mode[mode]) / sum(s["tokens"] for s in by_mode[mode])
+
+    def acceptance(mode: str) -> float:
+        drafted = sum(s["draft_tokens"] for s in by_mode[mode])
+        return sum(s["accepted_tokens"] for s in by_mode[mode]) / drafted if drafted else 0.0
+
     lines = [
-        f"draft {args.draft} -> target {args.model}, k={args.num_draft}, {args.max_tokens} tokens, {len(rows)} prompts",
+        f"draft {args.draft} -> target {args.model}, k={args.num_draft}, {args.max_tokens} tokens, "
+        f"{len(rows)} prompts, emulated RTT {args.rtt_ms:g} ms",
         "",
-        "| metric | server-only | speculative |",
-        "|---|---|---|",
-        f"| wall time per response (mean) | {statistics.mean(a['wall_s'] for a in alone):.2f} s "
-        f"| {statistics.mean(s['wall_s'] for s in spec):.2f} s |",
-        f"| wall time ratio (speculative / server-only, mean per prompt) | 1.00 | {ratio:.2f} |",
-        f"| target forwards per generated token | "
-        f"{sum(a['tokens'] for a in alone) / sum(a['tokens'] for a in alone):.2f} | "
-        f"{sum(1 + s['rounds'] for s in spec) / sum(s['tokens'] for s in spec):.3f} |",
-        f"| acceptance rate | - | {sum(s['accepted_tokens'] for s in spec) / drafted if drafted else 0:.3f} |",
-        f"| tokens per round | 1.00 | {statistics.mean(s['tokens_per_round'] for s in spec):.2f} |",
-        f"| token-identical to server-only | - | {sum(r['identical'] for r in rows)}/{len(rows)} |",
+        "| metric | server-only | speculative | proactive |",
+        "|---|---|---|---|",
+        f"| wall time per response (mean) | {mean('server_only', 'wall_s'):.2f} s | {mean('speculative', 'wall_s'):.2f} s "
+        f"| {mean('proactive', 'wall_s'):.2f} s |",
+        f"| ITL (mean of per-response means) | {mean('server_only', 'itl_ms'):.1f} ms | {mean('speculative', 'itl_ms'):.1f} ms "
+        f"| {mean('proactive', 'itl_ms'):.1f} ms |",
+        f"| ITL ratio vs server-only (mean per prompt) | 1.00 | {ratio('speculative', 'server_only', 'itl_ms'):.2f} "
+        f"| {ratio('proactive', 'server_only', 'itl_ms'):.2f} |",
+        f"| ITL ratio vs speculative without proactive | - | 1.00 | {ratio('proactive', 'speculative', 'itl_ms'):.2f} |",
+        f"| target forwards per generated token | {forwards('server_only'):.2f} | {forwards('speculative'):.3f} "
+        f"| {forwards('proactive'):.3f} |",
+        f"| acceptance rate | - | {acceptance('speculative'):.3f} | {acceptance('proactive'):.3f} |",
+        f"| proactive hit rate | - | - | {mean('proactive', 'proactive_hit_rate'):.2f} |",
+        f"| share of the wait hidden | - | - | {mean('proactive', 'wait_hidden_share'):.2f} |",
+        f"| token-identical to server-only | - | {sum(r['identical'] for r in rows)}/{len(rows)} "
+        f"| {sum(r['identical'] for r in rows)}/{len(rows)} |",
     ]
     return "\n".join(lines)
 
@@ -125,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-draft", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--rtt-ms", type=float, default=14.0, help="emulated network round trip, edge side")
     parser.add_argument("--server", default=None, help="HOST:PORT of a running server (default: start one)")
     parser.add_argument("--out", default=None, help="write every raw measurement here as JSON")
     args = parser.parse_args(argv)
