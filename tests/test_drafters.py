@@ -332,6 +332,27 @@ def test_llama_cpp_propose_equals_llama_greedy(smollm2_path, smollm2_reference, 
 
 
 @pytest.mark.real_model
+def test_llama_cpp_runner_ups_and_draft_p_min(smollm2_path, smollm2_prompt):
+    import llama_cpp
+    import numpy as np
+
+    from specedge.edge_client.drafting.llama_cpp import LlamaCppDrafter
+
+    drafter = LlamaCppDrafter(smollm2_path, n_ctx=512)
+    chain = drafter.propose(smollm2_prompt, 6)
+    for position, (token, runner_up) in enumerate(zip(chain.token_ids, chain.runner_up_ids)):
+        drafter.propose([*smollm2_prompt, *chain.token_ids[:position]], 1)
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(drafter._llm.ctx, -1), shape=(drafter._num_vocab,))
+        assert [token, runner_up] == np.argsort(-logits, kind="stable")[:2].tolist()
+        assert chain.runner_up_probs[position] <= chain.probs[position]
+    # Stop before the first draft token less likely than the chain's median.
+    threshold = sorted(chain.probs)[len(chain.probs) // 2]
+    cut = drafter.propose(smollm2_prompt, 6, min_prob=threshold)
+    assert cut.token_ids == chain.token_ids[: next(i for i, p in enumerate(chain.probs) if p < threshold)]
+    drafter.close()
+
+
+@pytest.mark.real_model
 def test_llama_cpp_rollback_and_rounds(smollm2_path, smollm2_reference, smollm2_prompt, monkeypatch):
     from specedge.edge_client.drafting.llama_cpp import LlamaCppDrafter
 
