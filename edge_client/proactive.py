@@ -23,12 +23,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import math
 import threading
 import time
 from collections.abc import Sequence
 
 from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling
+
+log = logging.getLogger(__name__)
 
 
 class DraftWorker:
@@ -116,7 +119,11 @@ class ProactiveRound:
         """Abandon what is still being drafted; the pre-draft made for exactly `committed`, if any."""
         self._stop.set()
         if self._job is not None:
-            await self._job
+            try:
+                await self._job
+            except Exception:  # the next draft, on the critical path, will meet the same failure and fall back
+                log.warning("drafting ahead failed", exc_info=True)
+                return None
         return next((p for p in self._predrafts if p.committed == tuple(committed)), None)
 
     @property

@@ -102,7 +102,7 @@ class BrokenDrafter(TorchDrafter):
 @pytest.mark.parametrize(
     "drafter_options, config, reason",
     [
-        (dict(fail_after=3), dict(proactive=False), "the draft model failed: RuntimeError: draft model crashed"),
+        (dict(fail_after=6), dict(simulated_rtt_ms=10), "the draft model failed: RuntimeError: draft model crashed"),
         (dict(fail_after=10**6, delay_s=0.05), dict(slow_draft_fallback=True, proactive=False), "drafting is slower"),
     ],
 )
