@@ -60,7 +60,7 @@ async def run(args: argparse.Namespace, address: str) -> list[dict]:
 
     resolved = resolve(args.draft)
     tokenizer = load_tokenizer(resolved)
-    drafter = load_drafter(resolved)
+    drafter = load_drafter(resolved, **({"n_threads": len(os.sched_getaffinity(0))} if args.pin else {}))
     # Warm-up, not measured: a fresh server's first forwards page its weights in.
     warmup = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
     modes = {"server_only": (0, False), "speculative": (args.num_draft, False), "proactive": (args.num_draft, True)}
@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--rtt-ms", type=float, default=14.0, help="emulated network round trip, edge side")
+    parser.add_argument(
+        "--pin", action="store_true",
+        help="server on CPU 0, this edge on the others (one draft thread each): drafting ahead then cannot "
+        "slow the server's forwards, as on separate machines",
+    )  # fmt: skip
     parser.add_argument("--server", default=None, help="HOST:PORT of a running server (default: start one)")
     parser.add_argument("--out", default=None, help="write every raw measurement here as JSON")
     args = parser.parse_args(argv)
@@ -158,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        server = start_server(args.model, port)
+        cpus = sorted(os.sched_getaffinity(0))
+        if args.pin and len(cpus) < 2:
+            parser.error("--pin needs at least 2 CPUs")
+        server = start_server(args.model, port, pin_cpus={cpus[0]} if args.pin else None)
+        if args.pin:
+            os.sched_setaffinity(0, set(cpus[1:]))
         address = f"127.0.0.1:{port}"
     try:
         rows = asyncio.run(run(args, address))
