@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -23,6 +24,9 @@ from specedge.server.server_draft import ServerDrafter
 from specedge.server.service import SpecEdgeService
 from specedge.server.stats import ServerStats
 from specedge.v1 import specedge_pb2, specedge_pb2_grpc
+
+if TYPE_CHECKING:
+    from specedge.fleet.announcer import Announcer, AnnouncerConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ class ServerConfig:
     # A draft model on the server itself, for server-side speculative decoding
     # (the baseline; edges bring their own drafts).
     draft_model: str | None = None
+    # Announce this server on a fleet broker (MQTT) and obey drain commands; None: no control plane.
+    fleet: AnnouncerConfig | None = None
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -118,6 +124,7 @@ class SpecEdgeServer:
         self._grpc: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._metrics = None  # the metrics HTTP server, when metrics_port is set
+        self.announcer: Announcer | None = None  # the fleet control plane, when config.fleet is set
         self.port: int | None = None
         self.metrics_port: int | None = None
 
@@ -145,9 +152,17 @@ class SpecEdgeServer:
         await self._grpc.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        return f"{self.config.host}:{self.port}"
+        address = f"{self.config.host}:{self.port}"
+        if self.config.fleet is not None:  # announced only once it serves
+            from specedge.server.fleet_link import start_announcer
+
+            self.announcer = await start_announcer(self.config.fleet, self.engine, address)
+        return address
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self.announcer is not None:  # first: edges stop choosing us while we wind down
+            await self.announcer.stop()
+            self.announcer = None
         if self._health is not None:
             # Tell health checkers first, so balancers drain us during the grace period.
             await self._health.enter_graceful_shutdown()

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from specedge.fleet.broker import FleetError, add_broker_options
 from specedge.server.engine import EngineConfig
 
 
@@ -34,7 +35,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default off)")
     parser.add_argument("--metrics-host", default=None, help="address for /metrics (default: --host)")
     parser.add_argument("--log-level", default="INFO")
+    fleet = parser.add_argument_group("fleet control plane (needs the mqtt extra)")
+    fleet.add_argument(
+        "--mqtt", default=None, metavar="URL", help="announce on this broker: mqtt://HOST:PORT (TLS: mqtts://)"
+    )
+    fleet.add_argument("--server-id", default=None, help="this server's id on the broker (default HOSTNAME-PORT)")
+    fleet.add_argument("--advertise-address", default=None, help="HOST:PORT edges dial (default: --host:--port)")
+    fleet.add_argument("--announce-period", type=float, default=5.0, help="seconds between status messages")
+    add_broker_options(parser)
     return parser.parse_args(argv)
+
+
+def fleet_config(args: argparse.Namespace):
+    if args.mqtt is None:
+        return None
+    from specedge.fleet.announcer import AnnouncerConfig
+    from specedge.fleet.broker import broker_from_args
+
+    return AnnouncerConfig(
+        broker=broker_from_args(args.mqtt, args),
+        server_id=args.server_id,
+        advertise_address=args.advertise_address,
+        period_s=args.announce_period,
+    )
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -51,6 +74,7 @@ async def _serve(args: argparse.Namespace) -> None:
         metrics_host=args.metrics_host,
         kv_cache_gb=args.kv_cache_gb,
         draft_model=args.draft_model,
+        fleet=fleet_config(args),
         engine=EngineConfig(
             max_sessions=args.max_sessions, max_draft_tokens=args.max_draft_tokens, idle_timeout_s=args.idle_timeout
         ),
@@ -74,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(_serve(args))
-    except (RegistryError, ValueError, OSError) as exc:
+    except (RegistryError, FleetError, ValueError, OSError) as exc:
         print(f"specedge-server: {exc}", file=sys.stderr)
         return 2
     return 0

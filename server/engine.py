@@ -108,6 +108,10 @@ class Engine:
         self.cost_model = StepCostModel()  # measured step cost -> marginal cost of a draft token
         self._budget_share = 0.0  # busy share of the step token budget, smoothed: the fallback load
         self.load = 0.0  # what speculation advice uses (scheduler/speculation.py)
+        # Set by the fleet control plane (server/fleet_link.py): why new sessions are refused while
+        # running ones finish (an operator's drain), and the acceptance edges report, as new sessions' prior.
+        self.draining: str | None = None
+        self.acceptance_prior = config.speculation.prior_acceptance
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -125,6 +129,8 @@ class Engine:
     async def open_session(
         self, owner: str, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None
     ) -> tuple[Session, RoundOutcome]:
+        if self.draining is not None:
+            raise errors.Unavailable(self.draining)
         self._check_token_ids(prompt, "prompt")
         if not prompt:
             raise errors.InvalidArgument("prompt is empty: send at least one token id")
@@ -151,7 +157,7 @@ class Engine:
             sampling=sampling,
             seed=secrets.randbits(63) if seed is None else seed,
             eos_token_ids=self.target.eos_token_ids,
-            speculation=SessionSpeculation(self.config.speculation),
+            speculation=SessionSpeculation(self.config.speculation, acceptance=self.acceptance_prior),
         )
         self.sessions[session.id] = session
         self._update_session_gauges()
