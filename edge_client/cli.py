@@ -14,12 +14,18 @@ import logging
 import os
 import sys
 
+from specedge.fleet.broker import add_broker_options
 from specedge.types import SamplingParams
+
+DEFAULT_SERVER = "127.0.0.1:50051"
 
 
 def add_edge_options(parser: argparse.ArgumentParser) -> None:
     """The options every mode shares: where the server is, what drafts, how."""
-    parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of specedge-server")
+    parser.add_argument(
+        "--server", default=None,
+        help=f"HOST:PORT of specedge-server (default {DEFAULT_SERVER}); with --discover, the fallback",
+    )  # fmt: skip
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="built-in name, .gguf file or HF directory")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 128; 1024 in chat)")
     parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (chains)")
@@ -39,6 +45,13 @@ def add_edge_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate-rtt-ms", type=float, default=0.0, help="emulate a network round trip (benchmarks)")
     parser.add_argument("--simulate-jitter-ms", type=float, default=0.0)
     parser.add_argument("--log-level", default="error", help="log level of the libraries' messages on stderr")
+    fleet = parser.add_argument_group("fleet (needs the mqtt extra)")
+    fleet.add_argument(
+        "--discover", default=None, metavar="URL", help="choose the server via this broker: mqtt://HOST:PORT"
+    )
+    fleet.add_argument("--telemetry", action="store_true", help="publish this edge's stats (numbers, never text)")
+    fleet.add_argument("--edge-id", default=None, help="this edge's id in telemetry (default: random)")
+    add_broker_options(parser)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,8 +93,17 @@ def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
         simulated_rtt_ms=args.simulate_rtt_ms,
         simulated_jitter_ms=args.simulate_jitter_ms,
     )
+    discovery = None
+    if args.discover is not None:
+        from specedge.fleet.broker import broker_from_args
+        from specedge.fleet.discovery import DiscoveryConfig
+
+        discovery = DiscoveryConfig(broker_from_args(args.discover, args), edge_id=args.edge_id, telemetry=args.telemetry)
+    elif args.telemetry:
+        raise ValueError("--telemetry publishes to the fleet broker: give it with --discover mqtt://HOST:PORT")
     return RuntimeConfig(
-        server=args.server,
+        server=args.server or (None if discovery else DEFAULT_SERVER),
+        discovery=discovery,
         draft=args.draft,
         edge=edge,
         server_only=args.server_only,
@@ -144,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from specedge.edge_client.client import EdgeError
+    from specedge.fleet.broker import FleetError
     from specedge.registry import RegistryError
 
     try:
@@ -156,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_chat(args)
         return asyncio.run(_answer_once(args))
-    except (EdgeError, RegistryError, ValueError, OSError) as exc:
+    except (EdgeError, RegistryError, FleetError, ValueError, OSError) as exc:
         print(f"specedge-edge: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -79,6 +79,8 @@ class EdgeConfig:
 
 
 def _explain(exc: grpc.aio.AioRpcError, address: str) -> EdgeError:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "is draining" in (exc.details() or ""):
+        return ConnectionLost(f"{exc.details()} (at {address})")  # it answered: it admits no new sessions
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
         return ConnectionLost(
             f"cannot reach the server at {address} ({exc.details()}); is specedge-server running there?"
@@ -95,15 +97,28 @@ class SessionGone(EdgeError):
 class EdgeClient:
     """One connection to a server. Use as `async with EdgeClient(address, fingerprint) as client:`."""
 
-    def __init__(self, address: str, fingerprint: TokenizerFingerprint, *, config: EdgeConfig = EdgeConfig()):
+    def __init__(
+        self,
+        address: str,
+        fingerprint: TokenizerFingerprint,
+        *,
+        config: EdgeConfig = EdgeConfig(),
+        choose_address: Callable[[], Awaitable[str]] | None = None,
+    ):
         self.address = address
         self.fingerprint = fingerprint
         self.config = config
+        # Fleet discovery: asked which server to use on every (re)connect. With it, `abandon()` moves
+        # this client off its server (draining, offline), and resumed sessions land where it points.
+        self.choose_address = choose_address
         self._channel: grpc.aio.Channel | None = None
         self._stub: specedge_pb2_grpc.SpecEdgeStub | None = None
         self._lease: grpc.aio.UnaryStreamCall | None = None
         self.server_info: pb.HandshakeResponse | None = None
         self._rng = random.Random()
+        self._left: asyncio.Future | None = None  # with choose_address: resolves to why this server must be left
+        self._epoch = 0  # connections made; lets concurrent reconnects after one failure share one
+        self._reconnecting = asyncio.Lock()
 
     async def __aenter__(self) -> EdgeClient:
         await self.connect()
@@ -116,26 +131,79 @@ class EdgeClient:
         # Its own TCP connection, even beside other clients in this process: the
         # server binds sessions to the connection that opened them.
         await self._disconnect()
+        if self.choose_address is not None:
+            self.address = await self.choose_address()
+            self._left = asyncio.get_running_loop().create_future()
         self._channel = grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
         self._stub = specedge_pb2_grpc.SpecEdgeStub(self._channel)
         await self.handshake()
         # The connection's lease: if this process dies, the server frees our slots at once.
         self._lease = self._stub.Attach(pb.AttachRequest())
+        self._epoch += 1
 
     async def reconnect(self, timeout_s: float | None = None) -> None:
         """Connect again, with exponential backoff, for up to `timeout_s` (default: the config's)."""
-        deadline = time.monotonic() + (self.config.reconnect_timeout_s if timeout_s is None else timeout_s)
-        backoff = 0.1
-        while True:
-            try:
-                await self.connect()
-                return
-            except ConnectionLost:
-                if time.monotonic() + backoff > deadline:
-                    raise
-                log.info("server at %s unreachable; retrying in %.1f s", self.address, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        epoch = self._epoch
+        async with self._reconnecting:
+            if self._epoch != epoch and not self.must_leave:
+                return  # answers that lost the same connection: another one reconnected while this waited
+            deadline = time.monotonic() + (self.config.reconnect_timeout_s if timeout_s is None else timeout_s)
+            backoff = 0.1
+            while True:
+                try:
+                    await self.connect()
+                    return
+                except ConnectionLost:
+                    if time.monotonic() + backoff > deadline:
+                        raise
+                    log.info("server at %s unreachable; retrying in %.1f s", self.address, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+
+    def abandon(self, reason: str) -> None:
+        """Leave this server (it is draining or went offline): calls in flight and later ones raise
+        ConnectionLost, so each answer resumes through reconnect() on the server choose_address picks.
+
+        Only with choose_address: without discovery there is nowhere else to go.
+        """
+        if self._left is not None and not self._left.done():
+            log.warning("leaving the server at %s: %s", self.address, reason)
+            self._left.set_result(reason)
+
+    @property
+    def must_leave(self) -> bool:
+        return self._left is not None and self._left.done()
+
+    async def ensure_connected(self) -> None:
+        """Before a new answer: move first if this server was abandoned (new sessions go elsewhere)."""
+        if self.must_leave:
+            await self.reconnect()
+
+    def _leaving(self) -> ConnectionLost:
+        return ConnectionLost(f"left the server at {self.address}: {self._left.result()}")
+
+    async def _unless_left(self, awaitable, rpc):
+        """Await an RPC or a stream read; if this server is abandoned first, cancel `rpc` and raise ConnectionLost."""
+        left = self._left
+        if left is None:
+            return await awaitable
+        if left.done():
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()
+            rpc.cancel()
+            raise self._leaving()
+        task = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.wait((task, left), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            rpc.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        rpc.cancel()
+        raise self._leaving()
 
     async def _disconnect(self) -> None:
         if self._lease is not None:
@@ -158,8 +226,11 @@ class EdgeClient:
 
     async def _call(self, method, request, **options):
         await self._network_delay()
+        if self.must_leave:
+            raise self._leaving()
         try:
-            reply = await method(request, timeout=self.config.rpc_timeout_s, **options)
+            rpc = method(request, timeout=self.config.rpc_timeout_s, **options)
+            reply = await self._unless_left(rpc, rpc)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise SessionGone(exc.details()) from None
@@ -235,6 +306,8 @@ class EdgeClient:
             sampling=wire.sampling_to_proto(sampling, seed),
         )
         await self._network_delay()
+        if self.must_leave:
+            raise self._leaving()
         # No overall deadline: a long answer streams for as long as it takes;
         # a dead server breaks the stream with UNAVAILABLE.
         call = self._stub.Generate(request)
@@ -251,7 +324,7 @@ class EdgeClient:
     async def _timestamped(self, call):
         """The stream's messages with their arrival times, read as they come even while the consumer sleeps."""
         if not (self.config.simulated_rtt_ms or self.config.simulated_jitter_ms):
-            async for reply in call:
+            while (reply := await self._unless_left(call.read(), call)) is not grpc.aio.EOF:
                 yield reply, time.monotonic()
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -267,7 +340,7 @@ class EdgeClient:
         reader = asyncio.create_task(read())
         try:
             while True:
-                reply, arrived, error = await queue.get()
+                reply, arrived, error = await self._unless_left(queue.get(), call)
                 if error is not None:
                     raise error
                 if reply is None:

@@ -13,25 +13,34 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, TokenCallback
 from specedge.edge_client.generation import Conversation, GenerationResult
+
+if TYPE_CHECKING:
+    from specedge.fleet.discovery import DiscoveryConfig, FleetRouter
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
-    server: str  # HOST:PORT of specedge-server
+    server: str | None  # HOST:PORT of specedge-server; with discovery, the fallback (None: no fallback)
     draft: str  # built-in name, .gguf file or HF directory: the tokenizer, and the drafter unless server_only
     edge: EdgeConfig = EdgeConfig()
     server_only: bool = False  # no draft model: the server generates alone
     threads: int | None = None  # CPU threads per drafter (llama.cpp)
     num_drafters: int = 1  # answers that draft at the same time; more wait for a free drafter
+    # Choose the server through a fleet broker (specedge.fleet.discovery.DiscoveryConfig), and move
+    # answers off a server that drains or goes offline.
+    discovery: DiscoveryConfig | None = None
 
     def __post_init__(self):
         if self.num_drafters < 1:
             raise ValueError(f"num_drafters must be >= 1, got {self.num_drafters}")
+        if self.server is None and self.discovery is None:
+            raise ValueError("give a server address, or a fleet broker to discover one")
 
 
 class EdgeRuntime:
@@ -39,6 +48,7 @@ class EdgeRuntime:
         self.config = config
         self.tokenizer = None
         self.client: EdgeClient | None = None
+        self.router: FleetRouter | None = None  # with discovery
         self.draft_unavailable: str | None = None  # why answers run server-only, when the draft model failed
         self._drafters: asyncio.Queue = asyncio.Queue()
         self._all_drafters: list = []
@@ -56,7 +66,17 @@ class EdgeRuntime:
         """Handshake with the server; keep retrying with backoff for `retry_for_s` (None: forever)."""
         if self.tokenizer is None:
             await self.load_tokenizer()
-        self.client = EdgeClient(self.config.server, self.tokenizer.fingerprint, config=self.config.edge)
+        choose = None
+        if self.config.discovery is not None:
+            from specedge.fleet.discovery import FleetRouter
+
+            self.router = FleetRouter(self.config.discovery, self.tokenizer.fingerprint, fallback=self.config.server)
+            await self.router.start()
+            choose = self.router.choose_address
+        fingerprint = self.tokenizer.fingerprint
+        self.client = EdgeClient(self.config.server or "", fingerprint, config=self.config.edge, choose_address=choose)
+        if self.router is not None:
+            self.router.follow(self.client)
         while True:
             try:
                 await self.client.reconnect(timeout_s=retry_for_s if retry_for_s is not None else 60.0)
@@ -91,6 +111,8 @@ class EdgeRuntime:
     async def close(self) -> None:
         if self.client is not None:
             await self.client.__aexit__(None, None, None)
+        if self.router is not None:
+            await self.router.close()
         for drafter in self._all_drafters:
             drafter.close()
         self._all_drafters.clear()
@@ -129,13 +151,19 @@ class EdgeRuntime:
         conversation: Conversation | None = None,
         config: EdgeConfig | None = None,
     ) -> GenerationResult:
+        await self.client.ensure_connected()  # the server was left (draining, offline): start elsewhere
         if not self._all_drafters:
             result = await self.client.generate(prompt, None, on_tokens, conversation=conversation, config=config)
             if self.draft_unavailable and not self.config.server_only:
                 result.stats.fallback = self.draft_unavailable
-            return result
-        drafter = await self._drafters.get()
-        try:
-            return await self.client.generate(prompt, drafter, on_tokens, conversation=conversation, config=config)
-        finally:
-            self._drafters.put_nowait(drafter)
+        else:
+            drafter = await self._drafters.get()
+            try:
+                result = await self.client.generate(
+                    prompt, drafter, on_tokens, conversation=conversation, config=config
+                )
+            finally:
+                self._drafters.put_nowait(drafter)
+        if self.router is not None:
+            self.router.observe(result.stats)
+        return result
