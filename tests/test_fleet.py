@@ -25,7 +25,7 @@ from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.fleet.announcer import AnnouncerConfig
 from specedge.fleet.broker import BrokerConfig
-from specedge.fleet.cli import send_command
+from specedge.fleet.cli import send_command, snapshot
 from specedge.fleet.discovery import DiscoveryConfig, FleetRouter
 from specedge.fleet.messages import DRAINING, OFFLINE, Command
 from specedge.server.app import ServerConfig
@@ -160,19 +160,25 @@ def test_a_killed_server_last_will_moves_the_next_session(
     assert second.stats.resumes == 0  # a new session on the new server, not a rescue
 
 
-def test_draining_mid_answer_moves_the_answer_intact(broker, servers, tiny_draft_dir, tokenizer, prompt, reference_model):
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "server-only"])
+def test_draining_mid_answer_moves_the_answer_intact(
+    broker, servers, tiny_draft_dir, tokenizer, prompt, reference_model, speculative
+):
     expected = greedy_decode(reference_model, prompt, MAX_TOKENS, set(tokenizer.eos_token_ids))
-    by_address = {server.address: (name, server) for name, server in servers.items()}
-    generated_before = {name: s.server.stats.snapshot()["num_generated_tokens"] for name, s in servers.items()}
-    prompt_tokens_before = {name: s.server.stats.snapshot()["num_prompt_tokens"] for name, s in servers.items()}
+    by_address = {server.address: name for name, server in servers.items()}
+    before = {name: s.server.stats.snapshot() for name, s in servers.items()}
     broker_config = BrokerConfig(broker.url)
+    edge_id = f"edge-{'spec' if speculative else 'alone'}"
 
     async def run():
-        discovery = DiscoveryConfig(broker_config, edge_id="edge-under-test", telemetry=True, telemetry_period_s=0.05)
-        # A 40 ms emulated round trip keeps the answer going while the drain travels.
-        runtime = edge_runtime(tiny_draft_dir, None, discovery, max_new_tokens=MAX_TOKENS, simulated_rtt_ms=40)
+        discovery = DiscoveryConfig(broker_config, edge_id=edge_id, telemetry=True, telemetry_period_s=0.05)
+        # A 40 ms emulated round trip (and, server-only, a slow reader) keeps the answer going while the drain travels.
+        runtime = EdgeRuntime(RuntimeConfig(
+            None, str(tiny_draft_dir), EdgeConfig(max_new_tokens=MAX_TOKENS, simulated_rtt_ms=40),
+            server_only=not speculative, discovery=discovery,
+        ))  # fmt: skip
         await runtime.start()
-        first_name, _ = by_address[runtime.client.address]
+        first_name = by_address[runtime.client.address]
         received: list[int] = []
         drains: list[asyncio.Task] = []
 
@@ -180,38 +186,47 @@ def test_draining_mid_answer_moves_the_answer_intact(broker, servers, tiny_draft
             received.extend(token_ids)
             if len(received) >= 8 and not drains:
                 drains.append(asyncio.ensure_future(send_command(broker_config, first_name, Command("drain", "test"), 10)))
+            if not speculative:
+                time.sleep(0.01)
 
         try:
             result = await runtime.generate(prompt, on_tokens)
             drained = await drains[0]
-            second_name, _ = by_address[runtime.client.address]
+            second_name = by_address[runtime.client.address]
             drained_engine = servers[first_name].server.engine  # its running session moved: nothing left there
             await wait_until(lambda: not drained_engine.sessions, what="the drained server's sessions to close")
-            # The edge's telemetry reached the broker (and the server it now uses, as its acceptance prior).
-            await wait_until(lambda: servers[second_name].server.engine.acceptance_prior != 0.7, what="telemetry")
-            snapshot = await asyncio.to_thread(fleet_cli, "--mqtt", broker.url, "--json")
+
+            async def published() -> bool:  # the edge's telemetry, after this answer, is on the broker
+                seen = (await snapshot(broker_config, 0.2)).edges.get(edge_id)
+                return seen is not None and seen.message.answers == 1
+
+            deadline = time.monotonic() + 10
+            while not await published() and time.monotonic() < deadline:
+                pass
+            table = await asyncio.to_thread(fleet_cli, "--mqtt", broker.url, "--json")
         finally:
             await runtime.close()
-        return result, received, first_name, second_name, drained, snapshot
+        return result, received, first_name, second_name, drained, table
 
-    result, received, first_name, second_name, drained, snapshot = asyncio.run(run())
+    result, received, first_name, second_name, drained, table = asyncio.run(run())
     assert result.token_ids == received == expected
     assert first_name != second_name and result.stats.resumes >= 1
     assert drained.health == DRAINING and drained.reason == "test"
+    after = {name: s.server.stats.snapshot() for name, s in servers.items()}
     for name in (first_name, second_name):  # both servers generated part of the answer
-        assert servers[name].server.stats.snapshot()["num_generated_tokens"] > generated_before[name]
+        assert after[name]["num_generated_tokens"] > before[name]["num_generated_tokens"]
     # The second server was handed the prompt plus every token committed before the move.
-    handed_over = servers[second_name].server.stats.snapshot()["num_prompt_tokens"] - prompt_tokens_before[second_name]
-    assert handed_over > len(prompt)
-    fleet = json.loads(snapshot.stdout)
+    assert after[second_name]["num_prompt_tokens"] - before[second_name]["num_prompt_tokens"] > len(prompt)
+    fleet = json.loads(table.stdout)
     assert fleet["servers"][first_name]["health"] == DRAINING
-    edge = fleet["edges"]["edge-under-test"]
+    edge = fleet["edges"][edge_id]
     assert edge["server_id"] == second_name and edge["answers"] == 1 and edge["resumes"] >= 1
     assert set(edge) == {
         "edge_id", "server_id", "answers", "tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate",
         "draft_tokens_per_s", "rtt_ms", "proactive_hit_rate", "fallbacks", "resumes", "seen_s_ago",
     }  # fmt: skip
-    assert servers[second_name].server.engine.acceptance_prior == min(0.95, max(0.05, edge["acceptance_rate"]))
+    if speculative:  # the server it uses took the edge's acceptance as its advice prior
+        assert servers[second_name].server.engine.acceptance_prior == min(0.95, max(0.05, edge["acceptance_rate"]))
 
     # The drained server refuses new sessions, saying why; `undrain` brings it back.
     async def open_on_drained():
@@ -343,3 +358,20 @@ def test_broker_password_and_tls(tmp_path, tiny_target_dir, tokenizer):
             # TLS verifies the broker: without its CA, the self-signed certificate is refused.
             _, untrusted = asyncio.run(choose(BrokerConfig(secure.url, username="edge", password="pw-edge")))
             assert "unreachable" in untrusted and "certificate verify failed" in untrusted
+
+
+def test_the_live_table_shows_the_fleet_and_quits_on_ctrl_c(broker, servers):
+    table = subprocess.Popen(
+        [f"{BIN}/specedge-fleet", "--mqtt", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    try:
+        time.sleep(3)
+        table.send_signal(signal.SIGINT)
+        out, err = table.communicate(timeout=30)
+    finally:
+        table.kill()
+    assert table.returncode == 0, err
+    assert f"servers on {broker.url} (connected)" in out
+    for name, server in servers.items():
+        assert any(name in line and "serving" in line and server.address in line for line in out.splitlines())
