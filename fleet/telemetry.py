@@ -26,7 +26,7 @@ class EdgeTelemetry:
     resumes: int = 0
 
     def observe(self, stats) -> None:
-        """Add one answer's GenerationStats (edge_client/generation.py)."""
+        """Add one answer's GenerationStats (edge_client/results.py)."""
         self.answers += 1
         self.tokens += stats.num_tokens
         self.rounds += stats.rounds
