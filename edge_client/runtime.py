@@ -56,6 +56,8 @@ class EdgeRuntime:
         """Handshake with the server; keep retrying with backoff for `retry_for_s` (None: forever)."""
         if self.tokenizer is None:
             await self.load_tokenizer()
+        if self.client is not None:  # a failed earlier attempt: close its channel before opening another
+            await self.client.__aexit__(None, None, None)
         self.client = EdgeClient(self.config.server, self.tokenizer.fingerprint, config=self.config.edge)
         while True:
             try:
