@@ -17,6 +17,7 @@ openai_service.py answers, openai_schema.py holds the shapes.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from typing import TextIO
 
@@ -100,21 +101,24 @@ class EdgeAPIServer:
                            timeout_graceful_shutdown=5)
         )  # fmt: skip
         self._fatal: BaseException | None = None
+        self._socket: socket.socket | None = None
 
     @property
     def port(self) -> int:
-        """The bound port (once `http.started`)."""
-        return self.http.servers[0].sockets[0].getsockname()[1]
+        """The bound port (a free one for port 0), once run() has started."""
+        return self._socket.getsockname()[1]
 
     async def run(self) -> None:
         """Serve until stop() (or a signal); raises what made starting impossible (e.g. an incompatible draft)."""
         await self.runtime.load_tokenizer()  # an unknown draft fails here, before the port is taken
+        self._socket = _listen(self.config.host, self.config.port)  # a port in use: one OSError, not uvicorn's exit
         starting = asyncio.create_task(self._start())
         try:
-            await self.http.serve()
+            await self.http.serve(sockets=[self._socket])
         finally:
             starting.cancel()
             await self.runtime.close()
+            self._socket.close()
         if self._fatal is not None:
             raise self._fatal
 
@@ -131,6 +135,17 @@ class EdgeAPIServer:
         except Exception as exc:  # noqa: BLE001 (re-raised by run() once the HTTP server has stopped)
             self._fatal = exc
             self.stop()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def serve(args) -> int:
