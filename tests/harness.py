@@ -107,7 +107,7 @@ class ApiThread:
     def __enter__(self) -> ApiThread:
         self._thread.start()
         deadline = time.monotonic() + 120
-        while not self.server.http.started:
+        while not self.server.http.started:  # listening
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the API server did not start: {self.error!r}")
             time.sleep(0.02)
