@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from specedge.edge_client.client import EdgeConfig
-from specedge.edge_client.generation import GenerationStats
+from specedge.edge_client.results import GenerationStats
 from specedge.edge_client.text import IncrementalText, StopStrings
 from specedge.types import FinishReason
 

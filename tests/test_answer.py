@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from specedge.edge_client.answer import TextAnswer, answer
-from specedge.edge_client.generation import GenerationResult, GenerationStats
+from specedge.edge_client.results import GenerationResult, GenerationStats
 from specedge.types import FinishReason
 
 EOS = 0

@@ -19,26 +19,20 @@ import urllib.request
 import openai
 import pytest
 
-from harness import ApiProcess, ApiThread, ServerThread, free_port, health, wait_healthy
+from harness import ApiProcess, ApiThread, ServerThread, free_port, health, tiny_server, wait_healthy
 from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
 from specedge.edge_client.openai_api import EdgeAPIServer, ServeConfig
 from specedge.edge_client.runtime import RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
-from specedge.server.engine import EngineConfig
 
 # With the tiny target (greedy, 30 tokens): the first ends on EOS after 2 tokens, the others on the length limit.
 CHATS = ["def add(a, b):", "The quick brown fox", "print(i * i)"]
 
 
-def server_config(model, port: int = 0) -> ServerConfig:
-    engine = EngineConfig(max_sessions=6, max_draft_tokens=16)
-    return ServerConfig(model=str(model), port=port, max_context=256, engine=engine)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_target_dir):
-    with ServerThread(server_config(tiny_target_dir)) as running:
+    with tiny_server(tiny_target_dir, max_sessions=6, max_draft_tokens=16) as running:
         yield running
 
 
@@ -271,7 +265,7 @@ def test_server_down_at_start_then_up(tiny_target_dir, tiny_draft_dir, tokenizer
         assert caught.value.status_code == 503 and "not connected to the SpecEdge server" in caught.value.message
         assert caught.value.response.headers["retry-after"] == "1"
         assert f"cannot reach the server at 127.0.0.1:{port}" in api.err.getvalue()
-        with ServerThread(server_config(tiny_target_dir, port)) as server:
+        with ServerThread(ServerConfig(model=str(tiny_target_dir), port=port, max_context=256)) as server:
             status = wait_healthy(api.base_url, timeout_s=30)
             assert status["model"] == str(tiny_target_dir) and status["draft"] is None
             prompt = chat_prompt(tokenizer, CHATS[2])
