@@ -204,27 +204,32 @@ def test_concurrent_requests_each_get_their_own_session_and_are_lossless(server,
     assert not server.server.engine.sessions  # and closed it
 
 
-def test_a_client_that_disconnects_frees_its_session(server, tiny_draft_dir, model):
+def test_a_full_server_says_503_and_a_client_that_disconnects_frees_its_session(tiny_target_dir, tiny_draft_dir):
     # A 100 ms round trip makes the answer take ~60 rounds, several seconds, unless it is cancelled.
     edge = EdgeConfig(num_draft=4, simulated_rtt_ms=100)
-    runtime = RuntimeConfig(server=server.address, draft=str(tiny_draft_dir), edge=edge)
-    request = dict(model=model, messages=[{"role": "user", "content": CHATS[2]}], max_tokens=200, temperature=0)
-    with ApiThread(runtime, ServeConfig(port=0)) as api:
-        wait_healthy(api.base_url)
-        client = openai.OpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
-        for stream in (True, False):
-            if stream:
-                chunks = client.chat.completions.create(**request, stream=True)
-                next(iter(chunks))
-                assert server.server.engine.sessions  # answering
-                chunks.close()
-            else:  # a non-streamed request whose client gives up
-                with pytest.raises(openai.APITimeoutError):
-                    client.with_options(timeout=0.5).chat.completions.create(**request)
-            closed = time.monotonic()
-            while server.server.engine.sessions:
-                assert time.monotonic() - closed < 2, "the session outlived its client"
-                time.sleep(0.05)
+    with tiny_server(tiny_target_dir, max_sessions=1) as server:
+        runtime = RuntimeConfig(server=server.address, draft=str(tiny_draft_dir), edge=edge, num_drafters=2)
+        with ApiThread(runtime, ServeConfig(port=0)) as api:
+            model = wait_healthy(api.base_url)["model"]
+            request = dict(model=model, messages=[{"role": "user", "content": CHATS[2]}], max_tokens=200, temperature=0)
+            client = openai.OpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0, timeout=30)
+            for stream in (True, False):
+                if stream:
+                    chunks = client.chat.completions.create(**request, stream=True)
+                    next(iter(chunks))
+                    assert server.server.engine.sessions  # answering, in the server's only KV slot
+                    with pytest.raises(openai.APIStatusError) as busy:  # refused before its stream began
+                        client.chat.completions.create(**request, stream=True)
+                    assert busy.value.status_code == 503 and "RESOURCE_EXHAUSTED" in busy.value.message
+                    assert busy.value.response.headers["retry-after"] == "1"
+                    chunks.close()
+                else:  # a non-streamed request whose client gives up
+                    with pytest.raises(openai.APITimeoutError):
+                        client.with_options(timeout=0.5).chat.completions.create(**request)
+                closed = time.monotonic()
+                while server.server.engine.sessions:
+                    assert time.monotonic() - closed < 2, "the session outlived its client"
+                    time.sleep(0.05)
 
 
 @pytest.mark.parametrize(
