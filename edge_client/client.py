@@ -31,6 +31,10 @@ TokenCallback = Callable[[Sequence[int]], "bool | None"]
 class EdgeError(Exception):
     """A failure the user can act on; the message is one line."""
 
+    def __init__(self, message: str, *, status: str | None = None):
+        super().__init__(message)
+        self.status = status  # the gRPC status name when the server refused (e.g. "RESOURCE_EXHAUSTED")
+
 
 class ConnectionLost(EdgeError):
     """The server could not be reached (down, restarting, or the network dropped)."""
@@ -86,8 +90,8 @@ def _explain(exc: grpc.aio.AioRpcError, address: str) -> EdgeError:
             f"cannot reach the server at {address} ({exc.details()}); is specedge-server running there?"
         )
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return EdgeError(f"the server at {address} did not answer in time")
-    return EdgeError(f"server refused: {exc.code().name}: {exc.details()}")
+        return EdgeError(f"the server at {address} did not answer in time", status=exc.code().name)
+    return EdgeError(f"server refused: {exc.code().name}: {exc.details()}", status=exc.code().name)
 
 
 class SessionGone(EdgeError):

@@ -66,12 +66,15 @@ class EdgeRuntime:
         """Handshake with the server; keep retrying with backoff for `retry_for_s` (None: forever)."""
         if self.tokenizer is None:
             await self.load_tokenizer()
+        if self.client is not None:  # a failed earlier attempt: close its channel before opening another
+            await self.client.__aexit__(None, None, None)
         choose = None
         if self.config.discovery is not None:
             from specedge.fleet.discovery import FleetRouter
 
-            self.router = FleetRouter(self.config.discovery, self.tokenizer.fingerprint, fallback=self.config.server)
-            await self.router.start()
+            if self.router is None:
+                self.router = FleetRouter(self.config.discovery, self.tokenizer.fingerprint, fallback=self.config.server)
+                await self.router.start()
             choose = self.router.choose_address
         fingerprint = self.tokenizer.fingerprint
         self.client = EdgeClient(self.config.server or "", fingerprint, config=self.config.edge, choose_address=choose)

@@ -35,11 +35,21 @@ class IncrementalText:
     def feed(self, token_ids: Sequence[int]) -> str:
         """The text the new tokens complete; "" while a character is unfinished."""
         self._tokens += [t for t in token_ids if t not in self._skip_ids]
-        decode = self._tokenizer.decode
-        emitted = decode(self._tokens[self._prefix_offset : self._read_offset])
-        window = decode(self._tokens[self._prefix_offset :])
+        emitted, window = self._window()
         if len(window) <= len(emitted) or window.endswith("\ufffd"):
             return ""
+        return self._emit(emitted, window)
+
+    def flush(self) -> str:
+        """What was held back, once the answer is over (an unfinished character decodes as U+FFFD)."""
+        return self._emit(*self._window())
+
+    def _window(self) -> tuple[str, str]:
+        """The window's text without and with the tokens not emitted yet."""
+        decode, window = self._tokenizer.decode, self._tokens[self._prefix_offset :]
+        return decode(window[: self._read_offset - self._prefix_offset]), decode(window)
+
+    def _emit(self, emitted: str, window: str) -> str:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
         return window[len(emitted) :]
 

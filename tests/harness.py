@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 from specedge.server.app import ServerConfig, SpecEdgeServer
 
@@ -75,3 +79,93 @@ def start_server_process(*args: str, timeout_s: float = 600, port: int | None = 
         time.sleep(0.1)
     process.kill()
     raise RuntimeError("specedge-server did not become ready:\n" + "".join(lines[-20:]))
+
+
+class ApiThread:
+    """`with ApiThread(runtime_config, serve_config) as api:` runs `specedge-edge serve`'s server on api.base_url."""
+
+    def __init__(self, runtime_config, serve_config):
+        import io
+
+        from specedge.edge_client.openai_api import EdgeAPIServer
+
+        self.err = io.StringIO()  # its status lines
+        self.server = EdgeAPIServer(runtime_config, serve_config, err=self.err)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.run())
+        except BaseException as exc:  # noqa: BLE001 (reported by __exit__ and the tests)
+            self.error = exc
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def __enter__(self) -> ApiThread:
+        self._thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.http.started:  # listening
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API server did not start: {self.error!r}")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.stop()
+        self._thread.join(timeout=30)
+
+
+def health(base_url: str) -> tuple[int, dict]:
+    """GET /health of an API server: (status, body)."""
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def wait_healthy(base_url: str, timeout_s: float = 60, process: subprocess.Popen | None = None) -> dict:
+    """Poll /health until 200 (connected, draft loaded); its body."""
+    deadline = time.monotonic() + timeout_s
+    reply: tuple | Exception = (0, {})
+    while time.monotonic() < deadline and (process is None or process.poll() is None):
+        try:
+            reply = health(base_url)
+        except (urllib.error.URLError, ConnectionError) as exc:  # not listening yet
+            reply = exc
+        if isinstance(reply, tuple) and reply[0] == 200:
+            return reply[1]
+        time.sleep(0.05)
+    raise TimeoutError(f"{base_url} did not become healthy: {reply}")
+
+
+class ApiProcess:
+    """`specedge-edge serve ARGS --port P` run as a user would; __init__ returns once /health says 200."""
+
+    def __init__(self, *args: str, timeout_s: float = 600):
+        port = free_port()
+        command = [os.path.join(os.path.dirname(sys.executable), "specedge-edge"), "serve", *args, "--port", str(port)]
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        self.stderr_lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.stderr_lines.extend(iter(self.process.stderr.readline, "")))
+        self._reader.start()
+        self.base_url = f"http://127.0.0.1:{port}"
+        try:
+            self.health = wait_healthy(self.base_url, timeout_s, self.process)
+        except TimeoutError:
+            self.stop(signal.SIGKILL)
+            last_lines = "".join(self.stderr_lines[-20:])
+            raise RuntimeError(f"specedge-edge serve did not become ready:\n{last_lines}") from None
+
+    def stop(self, sig: int = signal.SIGINT) -> int:
+        """Send `sig`; the exit status, once all of stderr is read."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            self.process.kill()  # a no-op once it has exited
+            self._reader.join(timeout=10)

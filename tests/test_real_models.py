@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from harness import start_server_process
+from harness import ApiProcess, start_server_process
 
 pytestmark = pytest.mark.real_model
 
@@ -94,3 +94,27 @@ def test_four_concurrent_edges_are_each_token_identical_to_server_only(server_ad
         alone = edge_run(server_address, "--server-only", "--prompt", prompt, "--max-tokens", "32", "--json")
         assert alone.returncode == 0, alone.stderr
         assert json.loads(stdout)["token_ids"] == json.loads(alone.stdout)["token_ids"]
+
+
+def test_openai_api_streams_the_targets_answer(server_address):
+    """`specedge-edge serve` through the openai SDK: the streamed text is the server-only answer, token for token."""
+    import openai
+
+    prompt = "Write a Python function that reverses a string."
+    api = ApiProcess("--server", server_address, "--draft", "qwen2.5-coder-0.5b", "--parallel", "1")
+    try:
+        assert api.health["model"] == "qwen2.5-coder-1.5b"
+        client = openai.OpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        chunks = list(client.chat.completions.create(
+            model=api.health["model"], messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        ))  # fmt: skip
+    finally:
+        api.stop()
+    alone = edge_run(server_address, "--server-only", "--prompt", prompt, "--max-tokens", "24", "--json")
+    assert alone.returncode == 0, alone.stderr
+    expected = json.loads(alone.stdout)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    assert chunks[-1].usage.completion_tokens == len(expected["token_ids"]) == 24
+    stats = chunks[-1].model_extra["specedge"]
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0 and stats["fallback"] is None

@@ -51,3 +51,11 @@ def test_stop_strings(pieces, stops, shown, stopped):
     matcher = StopStrings(stops)
     out = "".join(matcher.feed(piece) for piece in pieces) + matcher.flush()
     assert out == shown and matcher.stopped == stopped
+
+
+def test_flush_releases_what_an_answer_cut_mid_character_held_back(tokenizer):
+    ids = tokenizer.encode("안녕, hi")
+    for end in range(len(ids) + 1):
+        text = IncrementalText(tokenizer)
+        assert text.feed(ids[:end]) + text.flush() == tokenizer.decode(ids[:end])
+        assert text.flush() == ""  # nothing twice
