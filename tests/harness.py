@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 from specedge.server.app import ServerConfig, SpecEdgeServer
 
@@ -60,14 +61,18 @@ def free_port() -> int:
 
 
 def start_server_process(
-    *args: str, timeout_s: float = 600, port: int | None = None, output: list[str] | None = None
+    *args: str,
+    timeout_s: float = 600,
+    port: int | None = None,
+    output: list[str] | None = None,
+    launcher: Sequence[str] = (),
 ) -> tuple[subprocess.Popen, str]:
-    """Run `specedge-server ARGS --port P` as a user would; return once it prints its ready line.
+    """Run `[LAUNCHER] specedge-server ARGS --port P` as a user would; return once it prints its ready line.
 
     Its output lines (stdout and stderr) keep arriving in `output`, when given.
     """
     port = port or free_port()
-    command = [os.path.join(os.path.dirname(sys.executable), "specedge-server"), *args, "--port", str(port)]
+    command = [*launcher, os.path.join(os.path.dirname(sys.executable), "specedge-server"), *args, "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready = f"specedge-server ready on 127.0.0.1:{port}"
     lines: list[str] = output if output is not None else []

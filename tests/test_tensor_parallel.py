@@ -53,7 +53,8 @@ def test_partitions_split_heads_columns_and_vocab():
     r0, r1 = (partition_for(_args(), rank, 2) for rank in (0, 1))
     assert (r0.head_start, r0.num_heads, r0.kv_head_start, r0.num_kv_heads) == (0, 6, 0, 1)
     assert (r1.head_start, r1.num_heads, r1.kv_head_start, r1.num_kv_heads) == (6, 6, 1, 1)
-    assert (r1.intermediate_start, r1.intermediate_size, r1.vocab_start, r1.num_vocab_rows) == (4480, 4480, 75968, 75968)
+    assert (r1.intermediate_start, r1.intermediate_size) == (4480, 4480)
+    assert (r1.vocab_start, r1.num_vocab_rows) == (75968, 75968)
     # Fewer KV heads than ranks: each rank keeps the KV head its query heads read.
     assert [partition_for(_args(), rank, 4).kv_head_start for rank in range(4)] == [0, 0, 1, 1]
     twelve_ways = _args(intermediate_size=12 * 64)
@@ -101,7 +102,8 @@ def runners(request, tmp_path_factory, tiny_target_dir):
         shard = load_shard(model_dir, 0, 2, group.collectives, device=CPU, dtype=torch.float32)
         kv = KVCache(shard, num_slots=NUM_SLOTS, max_len=MAX_LEN, device=CPU, dtype=torch.float32)
         group.start_serving(NUM_SLOTS, MAX_LEN)
-        single = ModelRunner(whole, KVCache(whole, num_slots=NUM_SLOTS, max_len=MAX_LEN, device=CPU, dtype=torch.float32))
+        whole_kv = KVCache(whole, num_slots=NUM_SLOTS, max_len=MAX_LEN, device=CPU, dtype=torch.float32)
+        single = ModelRunner(whole, whole_kv)
         yield single, TensorParallelRunner(ModelRunner(shard, kv), group)
     finally:
         group.close()
@@ -120,8 +122,10 @@ def _same_logits(runners, requests):
 def test_rank_zero_holds_half_of_every_split_weight(runners):
     single, parallel = runners
     whole, shard = single.model, parallel.model
-    assert shard.model.layers[0].self_attn.q_proj.weight.shape[0] * 2 == whole.model.layers[0].self_attn.q_proj.weight.shape[0]
-    assert shard.model.layers[0].mlp.down_proj.weight.shape[1] * 2 == whole.model.layers[0].mlp.down_proj.weight.shape[1]
+    shard_layer, whole_layer = shard.model.layers[0], whole.model.layers[0]
+    assert shard_layer.self_attn.q_proj.weight.shape[0] * 2 == whole_layer.self_attn.q_proj.weight.shape[0]
+    assert shard_layer.self_attn.o_proj.weight.shape[1] * 2 == whole_layer.self_attn.o_proj.weight.shape[1]
+    assert shard_layer.mlp.down_proj.weight.shape[1] * 2 == whole_layer.mlp.down_proj.weight.shape[1]
     assert shard.lm_head.weight.shape[0] == -(-whole.args.vocab_size // 2)
     assert sum(p.numel() for p in shard.parameters()) < 0.6 * sum(p.numel() for p in whole.parameters())
 
@@ -191,31 +195,56 @@ async def _edges(address: str, tokenizer, prompts, draft_dir) -> list[list[int]]
             drafter.close()
 
 
-def test_tp2_greedy_output_is_token_identical_to_tp1(tp2_address, tiny_target_dir, tiny_draft_dir, tokenizer):
-    prompts = [prompt_for(tokenizer, i) for i in range(6)]
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [prompt_for(tokenizer, i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs(tiny_target_dir, tiny_draft_dir, tokenizer, prompts):
     config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=256, engine=EngineConfig(max_sessions=8))
     with ServerThread(config) as tp1:
-        expected = asyncio.run(_edges(tp1.address, tokenizer, prompts, tiny_draft_dir))
+        return asyncio.run(_edges(tp1.address, tokenizer, prompts, tiny_draft_dir))
+
+
+def test_tp2_greedy_output_is_token_identical_to_tp1(tp2_address, tp1_outputs, tiny_draft_dir, tokenizer, prompts):
     got = asyncio.run(_edges(tp2_address, tokenizer, prompts, tiny_draft_dir))
-    assert got == expected
+    assert got == tp1_outputs
     assert all(len(tokens) >= 2 for tokens in got)
+
+
+def test_torchrun_launches_the_same_server(tiny_target_dir, tp1_outputs, tiny_draft_dir, tokenizer, prompts):
+    """torchrun starts both ranks (env:// rendezvous); rank 0 serves, and serves the same tokens."""
+    launcher = [f"{BIN}/torchrun", "--standalone", "--nproc-per-node", "2", "--no-python"]
+    process, address = start_server_process(
+        "--model", str(tiny_target_dir), "--device", "cpu", "--max-context", "256", launcher=launcher
+    )
+    try:
+        assert asyncio.run(_edges(address, tokenizer, prompts, tiny_draft_dir)) == tp1_outputs
+    finally:
+        process.terminate()  # torchrun stops its ranks
+        process.wait(timeout=60)
 
 
 # -- failing clearly ---------------------------------------------------------------------------------
 
 
-def _server_fails(*args: str) -> str:
-    result = subprocess.run([f"{BIN}/specedge-server", *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stderr
-    return result.stderr.strip().splitlines()[-1]
-
-
 def test_bad_tp_fails_at_start_in_one_line(tiny_target_dir):
-    line = _server_fails("--model", str(tiny_target_dir), "--tp", "3", "--device", "cpu")
-    assert line == "specedge-server: --tp 3 does not divide the model's 4 attention heads; use one of 1, 2, 4"
-    line = _server_fails("--model", str(tiny_target_dir), "--tp", "2", "--device", "cuda")
-    assert line.startswith("specedge-server: --tp 2 needs 2 GPUs (one per rank), but ")
-    assert line.endswith(" are present")
+    result = subprocess.run(
+        [f"{BIN}/specedge-server", "--model", str(tiny_target_dir), "--tp", "3", "--device", "cpu"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "specedge-server: --tp 3 does not divide the model's 4 attention heads; use one of 1, 2, 4"
+    )
+
+
+def test_more_ranks_than_gpus_is_refused_before_loading(tiny_target_dir):
+    too_many = ParallelConfig(tp=max(2, torch.cuda.device_count() + 1))
+    config = ServerConfig(model=str(tiny_target_dir), device="cuda", parallel=too_many)
+    with pytest.raises(ValueError, match=r"^--tp \d+ needs \d+ GPUs \(one per rank\), but \d+ are present$"):
+        config.torch_device()
 
 
 def test_killing_a_rank_stops_the_server_and_in_flight_edges_see_unavailable(tiny_target_dir, tokenizer):
