@@ -65,7 +65,8 @@ class ServerConfig:
 
     def torch_device(self) -> torch.device:
         """Rank 0's device (under tensor parallelism rank i runs on GPU i)."""
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(auto if self.device == "auto" else self.device)
         if self.parallel.enabled and device.type == "cuda":
             if device.index is not None:
                 raise ValueError(f"--tp places rank i on GPU i; give --device cuda, not {self.device}")

@@ -50,7 +50,7 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
         return ParallelConfig(tp=args.tp or 1)
     _, world_size, _ = under_torchrun
     if args.tp not in (None, world_size):
-        raise ValueError(f"--tp {args.tp} disagrees with torchrun's WORLD_SIZE {world_size}; leave --tp out under torchrun")
+        raise ValueError(f"--tp {args.tp} disagrees with torchrun's WORLD_SIZE {world_size}; leave --tp out there")
     return ParallelConfig(tp=world_size, torchrun=True)
 
 

@@ -106,10 +106,11 @@ def _join(spec: RankSpec, store: dist.Store | None = None) -> dist.ProcessGroup:
         torch.cuda.set_device(spec.local_rank)
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
     if spec.store_port is None:
-        dist.init_process_group(backend, init_method="env://", rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+        rendezvous = {"init_method": "env://"}
     else:
         store = store or dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+        rendezvous = {"store": store}
+    dist.init_process_group(backend, rank=spec.rank, world_size=spec.world_size, timeout=timeout, **rendezvous)
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
@@ -260,7 +261,8 @@ def _hard_exit(reason: str, phase: str) -> None:
 def worker_main(spec: RankSpec) -> None:
     """A worker rank's whole life (rank > 0): join, load its shard, run rank 0's steps until STOP."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank; rank 0 stops the others in order
-    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s")
+    log_format = f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s"
+    logging.basicConfig(level=spec.log_level, format=log_format)
     parent = multiprocessing.parent_process()
     if parent is not None:  # spawned by rank 0 (torchrun watches its own ranks)
         threading.Thread(target=_exit_with, args=(parent, spec.rank), daemon=True).start()
@@ -269,9 +271,8 @@ def worker_main(spec: RankSpec) -> None:
             _share_cpus(spec.world_size)
         control = _join(spec)
         dtype = getattr(torch, spec.dtype)
-        model = load_shard(
-            pathlib.Path(spec.model_dir), spec.rank, spec.world_size, GroupCollectives(), device=spec.device, dtype=dtype
-        )
+        model_dir = pathlib.Path(spec.model_dir)
+        model = load_shard(model_dir, spec.rank, spec.world_size, GroupCollectives(), device=spec.device, dtype=dtype)
 
         def make_runner(num_slots: int, max_len: int) -> ModelRunner:
             kv = KVCache(model, num_slots=num_slots, max_len=max_len, device=spec.device, dtype=dtype)

@@ -48,7 +48,8 @@ def partition_for(args: ModelArgs, rank: int, world_size: int) -> Partition:
         )
     if args.num_kv_heads % n and n % args.num_kv_heads:
         raise TensorParallelError(
-            f"--tp {n} cannot split the model's {args.num_kv_heads} KV heads: it must divide them or be a multiple of them"
+            f"--tp {n} cannot split the model's {args.num_kv_heads} KV heads: "
+            "it must divide them or be a multiple of them"
         )
     if args.intermediate_size % n:
         raise TensorParallelError(f"--tp {n} does not divide the model's MLP width {args.intermediate_size}")
