@@ -72,7 +72,8 @@ def start_server_process(
     Its output lines (stdout and stderr) keep arriving in `output`, when given.
     """
     port = port or free_port()
-    command = [*launcher, os.path.join(os.path.dirname(sys.executable), "specedge-server"), *args, "--port", str(port)]
+    server = os.path.join(os.path.dirname(sys.executable), "specedge-server")
+    command = [*launcher, server, *args, "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready = f"specedge-server ready on 127.0.0.1:{port}"
     lines: list[str] = output if output is not None else []

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from harness import ServerThread, start_server_process
+from harness import start_server_process, tiny_server
 from test_many_edges import MAX_NEW, prompt_for, tree_generate
 from tiny_models import save_tiny_model
 from specedge import wire
@@ -24,7 +24,6 @@ from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.registry import ResolvedModel
 from specedge.server.app import ServerConfig
 from specedge.server.distributed import ParallelConfig, RankGroup
-from specedge.server.engine import EngineConfig
 from specedge.server.loading import load_target
 from specedge.server.model import ModelArgs
 from specedge.server.parallel import TensorParallelError, load_shard, partition_for
@@ -202,8 +201,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def tp1_outputs(tiny_target_dir, tiny_draft_dir, tokenizer, prompts):
-    config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=256, engine=EngineConfig(max_sessions=8))
-    with ServerThread(config) as tp1:
+    with tiny_server(tiny_target_dir, max_sessions=8) as tp1:
         return asyncio.run(_edges(tp1.address, tokenizer, prompts, tiny_draft_dir))
 
 
