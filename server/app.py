@@ -16,13 +16,16 @@ from grpc_reflection.v1alpha import reflection
 from specedge.registry import resolve
 from specedge.scheduler import slots_within_budget
 from specedge.tokens import IncompatibleTokenizer, check_compatible
+from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.engine import Engine, EngineConfig
-from specedge.server.loading import load_target
+from specedge.server.loading import load_target, weights_dir
 from specedge.server.metrics import start_metrics_server, stop_metrics_server
+from specedge.server.parallel import check_splittable
 from specedge.server.runner import KVCache, ModelRunner
 from specedge.server.server_draft import ServerDrafter
 from specedge.server.service import SpecEdgeService
 from specedge.server.stats import ServerStats
+from specedge.server.tp_runner import TensorParallelRunner
 from specedge.v1 import specedge_pb2, specedge_pb2_grpc
 
 if TYPE_CHECKING:
@@ -54,6 +57,9 @@ class ServerConfig:
     draft_model: str | None = None
     # Announce this server on a fleet broker (MQTT) and obey drain commands; None: no control plane.
     fleet: AnnouncerConfig | None = None
+    # Tensor parallelism: the target split across ranks (server/distributed.py); the
+    # server draft model, if any, stays whole on rank 0.
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -64,9 +70,18 @@ class ServerConfig:
             raise ValueError(f"metrics port must be in 0..65535, got {self.metrics_port}")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
+        """Rank 0's device (under tensor parallelism rank i runs on GPU i)."""
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(auto if self.device == "auto" else self.device)
+        if self.parallel.enabled and device.type == "cuda":
+            if device.index is not None:
+                raise ValueError(f"--tp places rank i on GPU i; give --device cuda, not {self.device}")
+            if not self.parallel.torchrun and self.parallel.tp > torch.cuda.device_count():
+                raise ValueError(
+                    f"--tp {self.parallel.tp} needs {self.parallel.tp} GPUs (one per rank), "
+                    f"but {torch.cuda.device_count()} are present"
+                )
+            return torch.device("cuda", 0)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was given but no CUDA device is available")
         return device
@@ -85,7 +100,34 @@ class SpecEdgeServer:
         device = config.torch_device()
         dtype = config.torch_dtype(device)
         started = time.monotonic()
-        target = load_target(resolve(config.model), device=device, dtype=dtype)
+        resolved = resolve(config.model)
+        self.failure: str | None = None  # set when a tensor-parallel rank fails; the server must stop
+        self._failed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.ranks: RankGroup | None = None
+        if config.parallel.enabled:
+            model_dir = weights_dir(resolved)  # a GGUF is converted here, once, before any rank starts
+            check_splittable(model_dir, config.parallel.tp)
+            self.ranks = RankGroup.launch(
+                config.parallel, model_dir, device_type=device.type, dtype=dtype, on_failure=self._on_rank_failure
+            )
+        try:
+            self._build(config, resolved, device, dtype, started)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+        self._grpc: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._metrics = None  # the metrics HTTP server, when metrics_port is set
+        self.announcer: Announcer | None = None  # the fleet control plane, when config.fleet is set
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+
+    def _build(self, config: ServerConfig, resolved, device: torch.device, dtype: torch.dtype, started: float) -> None:
+        """Model(s), KV slots within the budget, runner, engine."""
+        collectives = self.ranks.collectives if self.ranks is not None else None
+        target = load_target(resolved, device=device, dtype=dtype, collectives=collectives)
         max_context = min(config.max_context or 4096, target.model.args.max_position_embeddings)
         draft = None
         if config.draft_model is not None:
@@ -96,6 +138,8 @@ class SpecEdgeServer:
                 raise ValueError(f"--draft-model {config.draft_model} cannot draft for {config.model}: {exc}") from None
         models = [target] if draft is None else [target, draft]
         bytes_per_slot = sum(KVCache.bytes_per_token_for(m.model, dtype) for m in models) * max_context
+        if self.ranks is not None and device.type == "cpu":
+            bytes_per_slot *= self.ranks.spec.world_size  # CPU ranks share this machine's memory
         budget = _kv_budget_bytes(config.kv_cache_gb, device)
         num_slots = slots_within_budget(
             requested=config.engine.max_sessions, bytes_per_slot=bytes_per_slot, budget_bytes=budget
@@ -118,17 +162,27 @@ class SpecEdgeServer:
         if draft is not None:
             draft_kv = KVCache(draft.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
             server_drafter = ServerDrafter(ModelRunner(draft.model, draft_kv))
-        self.engine = Engine(
-            ModelRunner(target.model, kv), target, engine_config, stats=self.stats, server_drafter=server_drafter
-        )
-        self._grpc: grpc.aio.Server | None = None
-        self._health: health.aio.HealthServicer | None = None
-        self._metrics = None  # the metrics HTTP server, when metrics_port is set
-        self.announcer: Announcer | None = None  # the fleet control plane, when config.fleet is set
-        self.port: int | None = None
-        self.metrics_port: int | None = None
+        runner = ModelRunner(target.model, kv)
+        if self.ranks is not None:
+            self.ranks.start_serving(num_slots, max_context)
+            runner = TensorParallelRunner(runner, self.ranks)
+        self.engine = Engine(runner, target, engine_config, stats=self.stats, server_drafter=server_drafter)
+
+    def _on_rank_failure(self, reason: str) -> None:
+        """Any thread: a tensor-parallel rank failed, so this server must stop (see `wait_failed`)."""
+        self.failure = reason
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._failed.set)
+
+    async def wait_failed(self) -> str:
+        """Returns (the reason) once the server can no longer serve."""
+        await self._failed.wait()
+        return self.failure
 
     async def start(self) -> str:
+        self._loop = asyncio.get_running_loop()
+        if self.failure is not None:
+            self._failed.set()
         await self.engine.start()
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -169,6 +223,8 @@ class SpecEdgeServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
         await self.engine.stop()
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.close)
         if self._metrics is not None:
             await asyncio.to_thread(stop_metrics_server, self._metrics)
             self._metrics = None

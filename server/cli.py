@@ -9,6 +9,7 @@ import signal
 import sys
 
 from specedge.fleet.broker import FleetError, add_broker_options
+from specedge.server.distributed import ParallelConfig, RankFailure, RankSpec, torchrun_rank, worker_main
 from specedge.server.engine import EngineConfig
 
 
@@ -30,6 +31,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-cache-gb", type=float, default=None,
         help="KV memory budget; sessions beyond it get RESOURCE_EXHAUSTED (default: 90%% of free GPU memory, "
         "or half the available RAM)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tp", type=int, default=None,
+        help="tensor-parallel ranks: the target split across N processes (rank i on GPU i with --device cuda; "
+        "gloo on CPU). Default 1, or torchrun's WORLD_SIZE under torchrun",
     )  # fmt: skip
     parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is closed")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default off)")
@@ -60,7 +66,18 @@ def fleet_config(args: argparse.Namespace):
     )
 
 
-async def _serve(args: argparse.Namespace) -> None:
+def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """--tp, or the group torchrun started this process in (its WORLD_SIZE)."""
+    under_torchrun = torchrun_rank()
+    if under_torchrun is None:
+        return ParallelConfig(tp=args.tp or 1)
+    _, world_size, _ = under_torchrun
+    if args.tp not in (None, world_size):
+        raise ValueError(f"--tp {args.tp} disagrees with torchrun's WORLD_SIZE {world_size}; leave --tp out there")
+    return ParallelConfig(tp=world_size, torchrun=True)
+
+
+async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
     from specedge.server.app import ServerConfig, SpecEdgeServer
 
     config = ServerConfig(
@@ -78,6 +95,7 @@ async def _serve(args: argparse.Namespace) -> None:
         engine=EngineConfig(
             max_sessions=args.max_sessions, max_draft_tokens=args.max_draft_tokens, idle_timeout_s=args.idle_timeout
         ),
+        parallel=parallel,
     )
     server = SpecEdgeServer(config)
     stop = asyncio.Event()
@@ -86,9 +104,31 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     address = await server.start()
     print(f"specedge-server ready on {address}", flush=True)
-    await stop.wait()
+    stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(server.wait_failed())
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, failed):
+        task.cancel()
     logging.getLogger(__name__).info("shutting down")
+    if server.failure is not None:
+        await server.stop(grace=1.0)  # in-flight edges get UNAVAILABLE meanwhile
+        raise RankFailure(server.failure)
     await server.stop()
+
+
+def _run_worker(args: argparse.Namespace, rank: int, world_size: int, local_rank: int) -> None:
+    """A torchrun rank other than 0: it loads its shard and runs rank 0's steps; rank 0 serves."""
+    from specedge.registry import resolve
+    from specedge.server.app import ServerConfig
+    from specedge.server.loading import weights_dir
+
+    config = ServerConfig(model=args.model, device=args.device, dtype=args.dtype, parallel=_parallel_config(args))
+    device = config.torch_device()
+    spec = RankSpec(
+        rank=rank, world_size=world_size, local_rank=local_rank, model_dir=str(weights_dir(resolve(args.model))),
+        device_type=device.type, dtype=str(config.torch_dtype(device)).removeprefix("torch."), store_port=None,
+        collective_timeout_s=config.parallel.collective_timeout_s, log_level=args.log_level.upper(),
+    )  # fmt: skip
+    worker_main(spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     from specedge.registry import RegistryError
 
     try:
-        asyncio.run(_serve(args))
+        parallel = _parallel_config(args)
+        under_torchrun = torchrun_rank()
+        if under_torchrun is not None and under_torchrun[0] > 0:
+            _run_worker(args, *under_torchrun)
+            return 0
+        asyncio.run(_serve(args, parallel))
+    except RankFailure as exc:
+        print(f"specedge-server: {exc}; stopped serving", file=sys.stderr)
+        return 1
     except (RegistryError, FleetError, ValueError, OSError) as exc:
         print(f"specedge-server: {exc}", file=sys.stderr)
         return 2

@@ -523,7 +523,7 @@ class Engine:
         wanted = tuple(range(1, len(accepted_nodes) + 1))
         if accepted_nodes != wanted:
             base = session.num_cached
-            self.runner.kv.move(session.slot, [base + n for n in accepted_nodes], [base + n for n in wanted])
+            self.runner.move_kv(session.slot, [base + n for n in accepted_nodes], [base + n for n in wanted])
 
     async def _reap_idle(self) -> None:
         period = min(30.0, self.config.idle_timeout_s / 2)

@@ -4,6 +4,11 @@ transformers reads every supported format (safetensors, sharded, GGUF) and
 dequantizes GGUF; we then take its tensors as they are (no copy) into
 `CausalLM`. Dequantizing a 1.5B GGUF takes about a minute, so the result is
 saved once as safetensors in the cache dir and reloaded from there in seconds.
+
+A tensor-parallel rank does not go through transformers' loader: it reads its
+slices of those safetensors itself (server/parallel.py), so no rank holds the
+whole model. Only the one-time GGUF conversion does, in CPU RAM, before any
+rank starts.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import pathlib
 import shutil
 
 import torch
+from filelock import FileLock
 
 from specedge.registry import ResolvedModel, default_cache_dir, file_cache_key
-from specedge.server.model import CausalLM, ModelArgs, rope_frequencies
+from specedge.server.model import CausalLM, Collectives, ModelArgs, rope_frequencies
+from specedge.server.parallel import load_shard
 from specedge.tokens import TokenizerFingerprint, fingerprint_from_gguf, fingerprint_from_hf
 
 log = logging.getLogger(__name__)
@@ -31,24 +38,37 @@ class Target:
     eos_token_ids: frozenset[int]
 
 
-def load_target(
-    resolved: ResolvedModel, *, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None
-) -> Target:
-    cache_dir = cache_dir or default_cache_dir()
+def weights_dir(resolved: ResolvedModel, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """An HF directory holding the checkpoint; a GGUF is dequantized into the cache once."""
     if resolved.format == "gguf":
-        hf_dir = _converted_from_gguf(resolved.path, cache_dir)
-        fingerprint = fingerprint_from_gguf(resolved.path, cache_dir)
-    else:
-        hf_dir = resolved.path
-        fingerprint = None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return _converted_from_gguf(resolved.path, cache_dir or default_cache_dir())
+    return resolved.path
 
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-    config = hf_model.config
+
+def load_target(
+    resolved: ResolvedModel,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dir: pathlib.Path | None = None,
+    collectives: Collectives | None = None,
+) -> Target:
+    """The whole model; with `collectives` (a tensor-parallel rank's), only that rank's share of it."""
+    cache_dir = cache_dir or default_cache_dir()
+    hf_dir = weights_dir(resolved, cache_dir)
+    fingerprint = fingerprint_from_gguf(resolved.path, cache_dir) if resolved.format == "gguf" else None
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if collectives is None:
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+        config = hf_model.config
+        model = _from_hf(hf_model).to(device).eval()
+        del hf_model
+    else:
+        config = AutoConfig.from_pretrained(hf_dir)
+        model = load_shard(hf_dir, collectives.rank, collectives.world_size, collectives, device=device, dtype=dtype)
     if fingerprint is None:
         fingerprint = fingerprint_from_hf(AutoTokenizer.from_pretrained(hf_dir), vocab_size=config.vocab_size)
-    model = _from_hf(hf_model).to(device).eval()
-    del hf_model
     eos = set(fingerprint.eos_token_ids)
     config_eos = config.eos_token_id
     eos.update(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
@@ -76,6 +96,15 @@ def _converted_from_gguf(gguf_path: pathlib.Path, cache_dir: pathlib.Path) -> pa
     out_dir = cache_dir / "converted" / f"{gguf_path.stem}-{file_cache_key(gguf_path)}"
     if (out_dir / "config.json").exists():
         return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time (torchrun ranks, or servers started together); the others wait and reuse it.
+    with FileLock(f"{out_dir}.lock"):
+        if not (out_dir / "config.json").exists():
+            _convert(gguf_path, out_dir)
+    return out_dir
+
+
+def _convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
     from transformers import AutoModelForCausalLM
 
     log.info("dequantizing %s once (about a minute per billion parameters); cached in %s", gguf_path.name, out_dir)
@@ -88,4 +117,3 @@ def _converted_from_gguf(gguf_path: pathlib.Path, cache_dir: pathlib.Path) -> pa
     shutil.rmtree(partial, ignore_errors=True)
     hf_model.save_pretrained(partial)
     os.replace(partial, out_dir)
-    return out_dir

@@ -5,11 +5,16 @@ session's new tokens (a prompt chunk, a decode step, or a draft tree), written
 into that session's KV slot and attending to the slot's prefix plus whatever
 of its own new tokens the mask allows. Module names mirror transformers'
 (`model.layers.N.self_attn.q_proj`, ...) so its state dicts load as they are.
+
+Under tensor parallelism each rank builds the same module tree over its
+`Partition` (fewer heads, MLP columns and vocabulary rows) and combines partial
+results through `Collectives`; a single process has neither.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -54,6 +59,37 @@ class ModelArgs:
             tie_word_embeddings=bool(config.tie_word_embeddings),
             max_position_embeddings=config.max_position_embeddings,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """The share of the model one process holds: all of it (`whole`), or one tensor-parallel rank's.
+
+    Each range is contiguous; server/parallel.py decides them and loads just those weights.
+    """
+
+    head_start: int  # query heads [head_start, head_start + num_heads)
+    num_heads: int
+    kv_head_start: int  # KV heads held (replicated on several ranks when there are fewer than ranks)
+    num_kv_heads: int
+    intermediate_start: int  # MLP columns
+    intermediate_size: int
+    vocab_start: int  # embedding and LM-head rows
+    num_vocab_rows: int  # may run past the vocabulary on the last rank: zero padding, cut after the gather
+
+    @classmethod
+    def whole(cls, args: ModelArgs) -> Partition:
+        return cls(0, args.num_heads, 0, args.num_kv_heads, 0, args.intermediate_size, 0, args.vocab_size)
+
+
+class Collectives(Protocol):
+    """How the ranks of a partitioned model combine partial results (server/parallel.py)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x (same shape on every rank)."""
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """[L, num_vocab_rows] on every rank -> [L, ranks * num_vocab_rows] on rank 0, None elsewhere."""
 
 
 def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -106,13 +142,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The partition's heads; under tensor parallelism o_proj's output is this rank's partial sum."""
+
+    def __init__(self, args: ModelArgs, part: Partition):
         super().__init__()
         self.args = args
-        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+        self.q_proj = nn.Linear(args.hidden_size, part.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(part.num_heads * args.head_dim, args.hidden_size, bias=False)
 
     def forward(
         self,
@@ -144,39 +182,56 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The partition's MLP columns; under tensor parallelism down_proj's output is a partial sum."""
+
+    def __init__(self, args: ModelArgs, part: Partition):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(args.hidden_size, part.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, part.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(part.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, part: Partition):
         super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.self_attn = Attention(args, part)
+        self.mlp = MLP(args, part)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, part: Partition):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.embed_tokens = nn.Embedding(part.num_vocab_rows, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, part) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, args: ModelArgs, inv_freq: torch.Tensor, rope_scaling: float):
+    """The whole model, or with `partition` and `collectives` one tensor-parallel rank's share of it.
+
+    `args` always describes the whole model (vocab_size is the real vocabulary); `partition` what
+    this process holds.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        inv_freq: torch.Tensor,
+        rope_scaling: float,
+        partition: Partition | None = None,
+        collectives: Collectives | None = None,
+    ):
         super().__init__()
         self.args = args
-        self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.partition = partition or Partition.whole(args)
+        self.collectives = collectives
+        self.model = Backbone(args, self.partition)
+        self.lm_head = nn.Linear(args.hidden_size, self.partition.num_vocab_rows, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -187,15 +242,35 @@ class CausalLM(nn.Module):
         layout: BatchLayout,
         k_caches: list[torch.Tensor],  # per layer: [num_slots, max_len, kv_heads, head_dim]
         v_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Logits of the tokens named by layout.logit_rows/cols: [L, vocab] in float32."""
-        x = self.model.embed_tokens(layout.token_ids)  # [B, T, hidden]
+    ) -> torch.Tensor | None:
+        """Logits of the tokens named by layout.logit_rows/cols: [L, vocab] in float32.
+
+        None on a tensor-parallel rank other than 0: its share of the logits went to rank 0.
+        """
+        x = self._embed(layout.token_ids)  # [B, T, hidden]
         freqs = layout.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]  # [B, 1, T, D]
         sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None]
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, k_cache, v_cache, layout)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._sum(layer.self_attn(layer.input_layernorm(x), cos, sin, k_cache, v_cache, layout))
+            x = x + self._sum(layer.mlp(layer.post_attention_layernorm(x)))
         hidden = self.model.norm(x[layout.logit_rows, layout.logit_cols])  # [L, hidden]
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()  # [L, num_vocab_rows]
+        if self.collectives is None:
+            return logits
+        gathered = self.collectives.gather_vocab(logits)  # [L, ranks * num_vocab_rows] on rank 0
+        return None if gathered is None else gathered[:, : self.args.vocab_size]
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A block half's output: this rank's partial sum, summed over ranks (one all-reduce)."""
+        return partial if self.collectives is None else self.collectives.all_reduce(partial)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, hidden]
+        if self.collectives is None:
+            return self.model.embed_tokens(token_ids)
+        # Vocab-parallel: the one rank holding a token's row contributes it, the others zeros.
+        local = token_ids - self.partition.vocab_start
+        outside = (local < 0) | (local >= self.partition.num_vocab_rows)
+        rows = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.collectives.all_reduce(rows.masked_fill(outside[..., None], 0))

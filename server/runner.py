@@ -33,11 +33,14 @@ class ForwardRequest:
 
 
 class KVCache:
-    """Preallocated per-session KV slots: [num_slots, max_len, kv_heads, head_dim] per layer."""
+    """Preallocated per-session KV slots: [num_slots, max_len, kv_heads, head_dim] per layer.
+
+    kv_heads are the heads this process's partition holds (all of them without tensor parallelism).
+    """
 
     def __init__(self, model: CausalLM, *, num_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
         args = model.args
-        shape = (num_slots, max_len, args.num_kv_heads, args.head_dim)
+        shape = (num_slots, max_len, model.partition.num_kv_heads, args.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.num_layers)]
         self.num_slots = num_slots
@@ -45,8 +48,9 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token_for(model: CausalLM, dtype: torch.dtype) -> int:
+        """KV bytes per token in this process."""
         args = model.args
-        return 2 * args.num_layers * args.num_kv_heads * args.head_dim * torch.finfo(dtype).bits // 8
+        return 2 * args.num_layers * model.partition.num_kv_heads * args.head_dim * torch.finfo(dtype).bits // 8
 
     def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy KV rows src -> dst within one slot (tree paths made contiguous)."""
@@ -64,11 +68,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, requests: Sequence[ForwardRequest]) -> list[torch.Tensor]:
-        """Logits per request: [len(token_ids) or 1, vocab] float32, on the runner's device."""
+        """Logits per request: [len(token_ids) or 1, vocab] float32, on the runner's device.
+
+        Empty on a tensor-parallel rank other than 0, whose share of the logits went to rank 0.
+        """
         layout = self._layout(requests)
         logits = self.model(layout, self.kv.k, self.kv.v)
+        if logits is None:
+            return []
         sizes = [len(r.token_ids) if r.all_logits else 1 for r in requests]
         return list(logits.split(sizes))
+
+    def move_kv(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.kv.move(slot, src, dst)
 
     def _layout(self, requests: Sequence[ForwardRequest]) -> BatchLayout:
         batch = len(requests)

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 
 from specedge.server.app import ServerConfig, SpecEdgeServer
 
@@ -63,13 +64,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server_process(*args: str, timeout_s: float = 600, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """Run `specedge-server ARGS --port P` as a user would; return once it prints its ready line."""
+def start_server_process(
+    *args: str,
+    timeout_s: float = 600,
+    port: int | None = None,
+    output: list[str] | None = None,
+    launcher: Sequence[str] = (),
+) -> tuple[subprocess.Popen, str]:
+    """Run `[LAUNCHER] specedge-server ARGS --port P` as a user would; return once it prints its ready line.
+
+    Its output lines (stdout and stderr) keep arriving in `output`, when given.
+    """
     port = port or free_port()
-    command = [os.path.join(os.path.dirname(sys.executable), "specedge-server"), *args, "--port", str(port)]
+    server = os.path.join(os.path.dirname(sys.executable), "specedge-server")
+    command = [*launcher, server, *args, "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready = f"specedge-server ready on 127.0.0.1:{port}"
-    lines: list[str] = []
+    lines: list[str] = output if output is not None else []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s

@@ -66,6 +66,7 @@ def save_tiny_model(
     noise_from: pathlib.Path | None = None,
     noise: float = 0.0,
     tokenizer_vocab_size: int = 384,
+    tie_word_embeddings: bool = False,
 ) -> pathlib.Path:
     """Save a tiny causal LM (+ tokenizer) to `out_dir`.
 
@@ -86,7 +87,7 @@ def save_tiny_model(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=1024,
         initializer_range=0.25,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         eos_token_id=2,  # <|im_end|>: special tokens are trained first, in order
         bos_token_id=None,
         pad_token_id=0,
