@@ -39,3 +39,13 @@ class ResourceExhausted(ServiceError):
 
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Internal(ServiceError):
+    """The server failed on this request alone (see server/isolation.py); other requests are unaffected."""
+
+    code = grpc.StatusCode.INTERNAL
