@@ -16,8 +16,11 @@ from grpc_reflection.v1alpha import reflection
 from specedge.registry import resolve
 from specedge.scheduler import slots_within_budget
 from specedge.tokens import IncompatibleTokenizer, check_compatible
+from specedge.server.auth import Authenticator
+from specedge.server.decoding import LenientDecoding
 from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.engine import Engine, EngineConfig
+from specedge.server.limits import RateLimitConfig, RoundRateLimiter
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.metrics import start_metrics_server, stop_metrics_server
 from specedge.server.parallel import check_splittable
@@ -26,6 +29,7 @@ from specedge.server.server_draft import ServerDrafter
 from specedge.server.service import SpecEdgeService
 from specedge.server.stats import ServerStats
 from specedge.server.tp_runner import TensorParallelRunner
+from specedge.server.transport import TransportConfig
 from specedge.v1 import specedge_pb2, specedge_pb2_grpc
 
 if TYPE_CHECKING:
@@ -34,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MAX_MESSAGE_BYTES = 4 << 20
 SERVICE_NAME = specedge_pb2.DESCRIPTOR.services_by_name["SpecEdge"].full_name  # "specedge.v1.SpecEdge"
 
 
@@ -60,6 +63,9 @@ class ServerConfig:
     # Tensor parallelism: the target split across ranks (server/distributed.py); the
     # server draft model, if any, stays whole on rank 0.
     parallel: ParallelConfig = ParallelConfig()
+    transport: TransportConfig = TransportConfig()  # TLS, message size, connection limits
+    auth_tokens: str | None = None  # token file (server/auth.py); None: no tokens, sessions bound to connections
+    rate_limit: RateLimitConfig = RateLimitConfig()  # rounds per second per identity
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -68,6 +74,7 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics port must be in 0..65535, got {self.metrics_port}")
+        self.transport.check_exposure(self.host)
 
     def torch_device(self) -> torch.device:
         """Rank 0's device (under tensor parallelism rank i runs on GPU i)."""
@@ -97,6 +104,7 @@ class SpecEdgeServer:
 
     def __init__(self, config: ServerConfig):
         self.config = config
+        self.authenticator = Authenticator(config.auth_tokens)  # a bad token file fails before the model loads
         device = config.torch_device()
         dtype = config.torch_dtype(device)
         started = time.monotonic()
@@ -150,6 +158,12 @@ class SpecEdgeServer:
                 "RESOURCE_EXHAUSTED", budget / 2**30, num_slots, config.engine.max_sessions,
             )  # fmt: skip
         engine_config = dataclasses.replace(config.engine, max_context=max_context, max_sessions=num_slots)
+        largest_request = engine_config.request_limits(target.model.args.vocab_size).largest_request_bytes()
+        if largest_request > config.transport.max_message_bytes:
+            raise ValueError(
+                f"a request within the limits may take {largest_request} bytes, more than the message size limit "
+                f"of {config.transport.max_message_bytes}; raise --max-message-bytes or lower the token limits"
+            )
         kv = KVCache(target.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
         log.info(
             "loaded %s on %s (%s) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
@@ -184,19 +198,26 @@ class SpecEdgeServer:
         if self.failure is not None:
             self._failed.set()
         await self.engine.start()
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
-        self._grpc = grpc.aio.server(options=options)
-        specedge_pb2_grpc.add_SpecEdgeServicer_to_server(SpecEdgeService(self.engine), self._grpc)
+        transport = self.config.transport
+        self._grpc = grpc.aio.server(
+            options=transport.grpc_options(),
+            interceptors=[LenientDecoding(f"/{SERVICE_NAME}/")],
+            maximum_concurrent_rpcs=transport.max_concurrent_rpcs,
+        )
+        service = SpecEdgeService(
+            self.engine,
+            authenticator=self.authenticator,
+            rate_limiter=RoundRateLimiter(self.config.rate_limit),
+            transport=transport,
+        )
+        specedge_pb2_grpc.add_SpecEdgeServicer_to_server(service, self._grpc)
         # Load balancers and `grpc_health_probe` ask "" (the whole server) or the service by name.
         self._health = health.aio.HealthServicer()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = transport.bind(self._grpc, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port} (in use?)")
         if self.config.metrics_port is not None:

@@ -1,4 +1,8 @@
-"""`specedge-server`: serve a target model for edges to verify against."""
+"""`specedge-server`: serve a target model for edges to verify against.
+
+    specedge-server --model NAME [options]   serve
+    specedge-server make-token NAME          print a fresh token, then its line for the --auth-tokens file
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,17 @@ import sys
 from specedge.fleet.broker import FleetError, add_broker_options
 from specedge.server.distributed import ParallelConfig, RankFailure, RankSpec, torchrun_rank, worker_main
 from specedge.server.engine import EngineConfig
+from specedge.server.limits import RateLimitConfig
+from specedge.server.transport import TransportConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="specedge-server", description=__doc__.split(":", 1)[1].strip())
+    parser = argparse.ArgumentParser(
+        prog="specedge-server",
+        description=__doc__.split(":", 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Securing a server: see SECURITY.md.",
+    )
     parser.add_argument("--model", required=True, help="built-in name, .gguf file, HF model directory or hub id")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
@@ -38,6 +49,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "gloo on CPU). Default 1, or torchrun's WORLD_SIZE under torchrun",
     )  # fmt: skip
     parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is closed")
+    security = parser.add_argument_group("security (see SECURITY.md)")
+    security.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    security.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    security.add_argument("--tls-client-ca", default=None, help="PEM CA bundle: require edge certificates it signed (mTLS)")
+    security.add_argument("--auth-tokens", default=None, help="token file, lines NAME:SHA256HEX (see make-token)")
+    security.add_argument(
+        "--insecure", action="store_true",
+        help="allow plaintext on a non-loopback --host (only behind a trusted network or TLS proxy)",
+    )  # fmt: skip
+    limits = parser.add_argument_group("limits (all reported to edges in the handshake)")
+    limits.add_argument("--max-prompt-tokens", type=int, default=None, help="default: --max-context minus one")
+    limits.add_argument("--max-draft-prob-tokens", type=int, default=256, help="entries per draft distribution")
+    limits.add_argument("--max-sessions-per-identity", type=int, default=None, help="default: --max-sessions")
+    limits.add_argument("--max-rounds-per-second", type=float, default=None, help="per identity (default: no limit)")
+    limits.add_argument("--round-burst", type=int, default=32, help="rounds an identity may send at once")
+    limits.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest request or reply")
+    limits.add_argument("--max-concurrent-rpcs", type=int, default=1024, help="calls in progress, streams included")
+    limits.add_argument(
+        "--idle-connection-timeout", type=float, default=600.0,
+        help="seconds before a connection with no call in progress is closed (0: never)",
+    )  # fmt: skip
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default off)")
     parser.add_argument("--metrics-host", default=None, help="address for /metrics (default: --host)")
     parser.add_argument("--log-level", default="INFO")
@@ -93,9 +125,25 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
         draft_model=args.draft_model,
         fleet=fleet_config(args),
         engine=EngineConfig(
-            max_sessions=args.max_sessions, max_draft_tokens=args.max_draft_tokens, idle_timeout_s=args.idle_timeout
+            max_sessions=args.max_sessions,
+            max_draft_tokens=args.max_draft_tokens,
+            max_draft_prob_tokens=args.max_draft_prob_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_sessions_per_identity=args.max_sessions_per_identity,
+            idle_timeout_s=args.idle_timeout,
         ),
         parallel=parallel,
+        transport=TransportConfig(
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            insecure=args.insecure,
+            max_message_bytes=args.max_message_bytes,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            idle_connection_timeout_s=args.idle_connection_timeout or None,
+        ),
+        auth_tokens=args.auth_tokens,
+        rate_limit=RateLimitConfig(rounds_per_s=args.max_rounds_per_second, burst=args.round_burst),
     )
     server = SpecEdgeServer(config)
     stop = asyncio.Event()
@@ -131,7 +179,30 @@ def _run_worker(args: argparse.Namespace, rank: int, world_size: int, local_rank
     worker_main(spec)
 
 
+def make_token(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="specedge-server make-token",
+        description="Print a fresh token (line 1: give it to the edge) and its line for the --auth-tokens file "
+        "(line 2: only the token's hash, safe to store).",
+    )
+    parser.add_argument("name", help="the edge's identity: sessions are bound to it")
+    name = parser.parse_args(argv).name
+    from specedge.server.auth import make_token as new_token
+
+    try:
+        token, line = new_token(name)
+    except ValueError as exc:
+        print(f"specedge-server: {exc}", file=sys.stderr)
+        return 2
+    print(token)
+    print(line)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["make-token"]:
+        return make_token(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from specedge.registry import RegistryError

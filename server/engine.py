@@ -15,20 +15,21 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, PrefillChunk, SlotAllocator, StepPlan
 from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig, StepCostModel
 from specedge.server import errors, tree
+from specedge.server.auth import Caller
+from specedge.server.isolation import failure_for_client, finite_rows, run_isolated
 from specedge.server.loading import Target
+from specedge.server.requests import DraftRound, RequestLimits, SessionRequest, TurnRequest
 from specedge.server.runner import ForwardRequest, ModelRunner
-from specedge.server.rejection import verify_chain_by_rejection
-from specedge.server.sampling import sample, target_probs
+from specedge.server.postprocess import after_prefill, after_round
 from specedge.server.server_draft import DraftRow, ServerDrafter
 from specedge.server.session import Session
 from specedge.server.stats import ServerStats
-from specedge.server.verify import verify_by_sampling
-from specedge.types import FinishReason, SamplingParams, SparseDist
+from specedge.types import FinishReason, SparseDist
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ class EngineConfig:
     max_sessions: int = 8  # KV slots; one per open session or server-only stream
     max_context: int = 4096  # tokens per slot: prompt + generated
     max_draft_tokens: int = 64  # draft nodes per verify round
+    max_draft_prob_tokens: int = 256  # entries per draft distribution (the edge's top-k q)
+    max_prompt_tokens: int | None = None  # None: max_context - 1
+    max_sessions_per_identity: int | None = None  # None: max_sessions
     idle_timeout_s: float = 600.0  # sessions untouched this long are closed and their slot freed
     batcher: BatcherConfig = BatcherConfig()
     speculation: SpeculationConfig = SpeculationConfig()
@@ -47,6 +51,25 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_sessions < 1 or self.max_context < 2 or self.max_draft_tokens < 0 or self.idle_timeout_s <= 0:
             raise ValueError(f"invalid engine config: {self}")
+        if self.max_draft_prob_tokens < 1 or (self.max_prompt_tokens or 1) < 1 or (self.max_sessions_per_identity or 1) < 1:
+            raise ValueError(f"invalid engine config: {self}")
+
+    @property
+    def prompt_limit(self) -> int:
+        return min(self.max_prompt_tokens or self.max_context, self.max_context - 1)
+
+    @property
+    def identity_session_limit(self) -> int:
+        return min(self.max_sessions_per_identity or self.max_sessions, self.max_sessions)
+
+    def request_limits(self, vocab_size: int) -> RequestLimits:
+        return RequestLimits(
+            vocab_size=vocab_size,
+            max_context=self.max_context,
+            max_prompt_tokens=self.prompt_limit,
+            max_draft_tokens=self.max_draft_tokens,
+            max_draft_prob_tokens=self.max_draft_prob_tokens,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +124,7 @@ class Engine:
         self.slots = SlotAllocator(config.max_sessions)
         self.batcher = Batcher(config.batcher)
         self._work: dict[str, _Work] = {}
-        self._leases: dict[str, int] = {}  # owner -> open Attach streams
+        self._leases: dict[str, int] = {}  # connection -> open Attach streams
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specedge-engine")
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -126,19 +149,10 @@ class Engine:
 
     # -- RPC-facing API ------------------------------------------------------
 
-    async def open_session(
-        self, owner: str, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None
-    ) -> tuple[Session, RoundOutcome]:
+    async def open_session(self, caller: Caller, request: SessionRequest) -> tuple[Session, RoundOutcome]:
+        """A new session for `caller` (a request already validated by server/requests.py)."""
         if self.draining is not None:
             raise errors.Unavailable(self.draining)
-        self._check_token_ids(prompt, "prompt")
-        if not prompt:
-            raise errors.InvalidArgument("prompt is empty: send at least one token id")
-        if len(prompt) >= self.config.max_context:
-            raise errors.InvalidArgument(
-                f"prompt of {len(prompt)} tokens leaves no room to generate within the server's "
-                f"max context of {self.config.max_context} tokens"
-            )
         try:
             slot = self.slots.acquire()
         except NoFreeSlot as exc:
@@ -147,15 +161,26 @@ class Engine:
                 f"{exc} (the KV memory budget); retry in {RETRY_AFTER_S:.0f} s or ask the operator for more",
                 retry_after_s=RETRY_AFTER_S,
             ) from None
+        limit = self.config.identity_session_limit
+        if sum(session.owner == caller.identity for session in self.sessions.values()) >= limit:
+            self.slots.release(slot)
+            self.stats.observe_refused("session_limit")
+            raise errors.ResourceExhausted(
+                f"this identity already has {limit} open sessions, the most the server allows one identity; "
+                "close one (or let it finish) first",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        prompt = request.prompt
         session = Session(
             id=secrets.token_urlsafe(18),
-            owner=owner,
+            owner=caller.identity,
+            connection=caller.connection,
             slot=slot,
-            prompt=tuple(prompt),
-            max_new_tokens=max_new_tokens or self.config.max_context - len(prompt),
+            prompt=prompt,
+            max_new_tokens=request.max_new_tokens or self.config.max_context - len(prompt),
             max_context=self.config.max_context,
-            sampling=sampling,
-            seed=secrets.randbits(63) if seed is None else seed,
+            sampling=request.sampling,
+            seed=secrets.randbits(63) if request.seed is None else request.seed,
             eos_token_ids=self.target.eos_token_ids,
             speculation=SessionSpeculation(self.config.speculation, acceptance=self.acceptance_prior),
         )
@@ -164,27 +189,17 @@ class Engine:
         work = self._enqueue(_Work(session, self._new_future(), time.monotonic(), is_prefill=True), len(prompt))
         return session, await self._await_work(work)
 
-    async def continue_session(
-        self,
-        owner: str,
-        session_id: str,
-        keep_tokens: int,
-        new_tokens: Sequence[int],
-        max_new_tokens: int,
-        sampling: SamplingParams,
-        seed: int | None,
-    ) -> tuple[Session, RoundOutcome]:
-        """A new turn: keep the session's first `keep_tokens` tokens (and their KV), prefill `new_tokens`."""
-        session = self._owned(owner, session_id)
+    async def continue_session(self, caller: Caller, session_id: str, turn: TurnRequest) -> tuple[Session, RoundOutcome]:
+        """A new turn: keep the session's first `keep_tokens` tokens (and their KV), prefill the turn's tokens."""
+        session = self._owned(caller, session_id)
         if session.id in self._work:
             raise errors.FailedPrecondition("the session has work in flight; wait for its reply before a new turn")
-        if keep_tokens > session.num_context:
+        if turn.keep_tokens > session.num_context:
             raise errors.InvalidArgument(
-                f"keep_tokens {keep_tokens} exceeds the session's {session.num_context} tokens; open a new session"
+                f"keep_tokens {turn.keep_tokens} exceeds the session's {session.num_context} tokens; open a new session"
             )
-        self._check_token_ids(new_tokens, "prompt")
-        prompt = (*session.prompt, *session.generated)[:keep_tokens] + tuple(new_tokens)
-        if not new_tokens and keep_tokens == session.num_context:
+        prompt = (*session.prompt, *session.generated)[: turn.keep_tokens] + turn.token_ids
+        if not turn.token_ids and turn.keep_tokens == session.num_context:
             raise errors.InvalidArgument("the new turn is empty: send the new message's token ids")
         if not prompt:
             raise errors.InvalidArgument("the new turn leaves an empty prompt: send at least one token id")
@@ -195,27 +210,20 @@ class Engine:
             )
         # KV is valid for the kept tokens that were cached; at least the last
         # prompt token is run again, for the logits of the next one.
-        cached = min(session.num_cached, keep_tokens, len(prompt) - 1)
+        cached = min(session.num_cached, turn.keep_tokens, len(prompt) - 1)
         session.prompt, session.generated, session.num_cached = prompt, [], cached
         session.draft_cached = min(session.draft_cached, cached)
-        session.max_new_tokens = max_new_tokens or self.config.max_context - len(prompt)
-        session.sampling = sampling
-        session.seed = secrets.randbits(63) if seed is None else seed
+        session.max_new_tokens = turn.max_new_tokens or self.config.max_context - len(prompt)
+        session.sampling = turn.sampling
+        session.seed = secrets.randbits(63) if turn.seed is None else turn.seed
         session.finish = FinishReason.NONE
         work = _Work(session, self._new_future(), time.monotonic(), is_prefill=True, prefill_start=cached)
         self._enqueue(work, len(prompt) - cached, start=cached)
         return session, await self._await_work(work)
 
-    async def verify(
-        self,
-        owner: str,
-        session_id: str,
-        draft_token_ids: Sequence[int],
-        draft_parents: Sequence[int],
-        num_generated: int,
-        draft_dists: Sequence[SparseDist] = (),
-    ) -> RoundOutcome:
-        session = self._owned(owner, session_id)
+    async def verify(self, caller: Caller, session_id: str, draft: DraftRound, num_generated: int) -> RoundOutcome:
+        """Queue one round of a validated draft (server/requests.py) and await its outcome."""
+        session = self._owned(caller, session_id)
         if session.finish is not FinishReason.NONE:
             raise errors.FailedPrecondition(f"session already finished ({session.finish.name.lower()}); open a new one")
         if session.id in self._work:
@@ -225,20 +233,6 @@ class Engine:
                 f"edge is out of sync: it has {num_generated} generated tokens, the server {len(session.generated)}; "
                 "reopen the session"
             )
-        if len(draft_token_ids) > self.config.max_draft_tokens:
-            raise errors.InvalidArgument(
-                f"draft of {len(draft_token_ids)} tokens exceeds the server's max_draft_tokens {self.config.max_draft_tokens}"
-            )
-        self._check_token_ids(draft_token_ids, "draft")
-        parents = tuple(draft_parents) or tree.chain_parents(len(draft_token_ids) + 1)
-        if len(parents) != len(draft_token_ids):
-            raise errors.InvalidArgument(
-                f"{len(draft_parents)} draft parents for {len(draft_token_ids)} draft tokens; send one per token or none"
-            )
-        if problem := tree.validate_parents(parents):
-            raise errors.InvalidArgument(problem)
-        if draft_dists:
-            self._check_dists(draft_token_ids, parents, draft_dists)
         # Nodes beyond the slot's remaining room are dropped; children come after
         # their parents, so what is left is still a tree.
         room = session.draft_room
@@ -246,47 +240,37 @@ class Engine:
             session,
             self._new_future(),
             time.monotonic(),
-            draft_token_ids=tuple(draft_token_ids[:room]),
-            draft_parents=parents[:room],
-            draft_dists=tuple(draft_dists[:room]),
+            draft_token_ids=draft.token_ids[:room],
+            draft_parents=draft.parents[:room],
+            draft_dists=draft.dists[:room],
         )
         return await self._await_work(self._enqueue(work, 1 + len(work.draft_token_ids)))
 
-    def close_session(self, owner: str, session_id: str) -> None:
-        self._close(self._owned(owner, session_id))
+    def close_session(self, caller: Caller, session_id: str) -> None:
+        self._close(self._owned(caller, session_id))
 
-    def attach(self, owner: str) -> None:
-        """`owner`'s connection holds a lease (see the Attach RPC)."""
-        self._leases[owner] = self._leases.get(owner, 0) + 1
+    def attach(self, connection: str) -> None:
+        """`connection` holds a lease (see the Attach RPC)."""
+        self._leases[connection] = self._leases.get(connection, 0) + 1
 
-    def detach(self, owner: str) -> None:
-        """A lease ended; when it was the connection's last, close its sessions."""
-        self._leases[owner] -= 1
-        if self._leases[owner] == 0:
-            del self._leases[owner]
-            orphans = [s for s in self.sessions.values() if s.owner == owner]
+    def detach(self, connection: str) -> None:
+        """A lease ended; when it was the connection's last, close the sessions opened on it."""
+        self._leases[connection] -= 1
+        if self._leases[connection] == 0:
+            del self._leases[connection]
+            orphans = [s for s in self.sessions.values() if s.connection == connection]
             if orphans:
-                log.info("connection %s went away; closing its %d sessions", owner, len(orphans))
+                log.info("connection %s went away; closing its %d sessions", connection, len(orphans))
             for session in orphans:
                 self._close(session)
 
     async def generate(
-        self,
-        owner: str,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        sampling: SamplingParams,
-        seed: int | None,
-        server_draft_tokens: int = 0,
+        self, caller: Caller, request: SessionRequest, server_draft_tokens: int = 0
     ) -> AsyncIterator[RoundOutcome]:
         """Server-side generation: target-only decoding, or with the server's own draft model."""
         if server_draft_tokens and self.server_drafter is None:
             raise errors.FailedPrecondition("this server has no draft model; start it with --draft-model NAME")
-        if server_draft_tokens > self.config.max_draft_tokens:
-            raise errors.InvalidArgument(
-                f"server_draft_tokens {server_draft_tokens} exceeds max_draft_tokens {self.config.max_draft_tokens}"
-            )
-        session, outcome = await self.open_session(owner, prompt, max_new_tokens, sampling, seed)
+        session, outcome = await self.open_session(caller, request)
         work = None
         try:
             while True:
@@ -310,12 +294,14 @@ class Engine:
 
     # -- internals -----------------------------------------------------------
 
-    def _owned(self, owner: str, session_id: str) -> Session:
+    def _owned(self, caller: Caller, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
             raise errors.NotFound("unknown session (never opened, closed, or expired after idling); open a new one")
-        if session.owner != owner:
-            raise errors.PermissionDenied("this session belongs to another connection")
+        if session.owner != caller.identity:
+            raise errors.PermissionDenied(
+                "this session belongs to another identity (the token, or without tokens the connection, that opened it)"
+            )
         return session
 
     def _close(self, session: Session) -> None:
@@ -331,23 +317,6 @@ class Engine:
     def _update_session_gauges(self) -> None:
         used = self.slots.num_slots - self.slots.num_free
         self.stats.set_sessions(active=len(self.sessions), slots_used=used, slots_free=self.slots.num_free)
-
-    def _check_token_ids(self, token_ids: Sequence[int], what: str) -> None:
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise errors.InvalidArgument(f"{what} token id {bad} is out of range for vocab size {self.vocab_size}")
-
-    def _check_dists(self, draft_token_ids, parents, draft_dists) -> None:
-        if len(draft_dists) != len(draft_token_ids):
-            raise errors.InvalidArgument(
-                f"{len(draft_dists)} draft distributions for {len(draft_token_ids)} draft tokens; send one per token"
-            )
-        if tuple(parents) != tree.chain_parents(len(draft_token_ids) + 1):
-            raise errors.InvalidArgument("draft distributions are for chains; a tree is verified by matching samples")
-        for i, (token, dist) in enumerate(zip(draft_token_ids, draft_dists), start=1):
-            if dist.prob_of(token) <= 0:
-                raise errors.InvalidArgument(f"draft token {i} ({token}) has probability 0 in its own distribution")
-            self._check_token_ids(dist.token_ids, "draft distribution")
 
     def _new_future(self) -> asyncio.Future:
         return asyncio.get_running_loop().create_future()
@@ -373,8 +342,9 @@ class Engine:
             self._close(session)
             raise
         except BaseException:
-            if work.is_prefill:  # a failed prefill leaves nothing usable
-                self._close(session)
+            # A failed prefill leaves nothing usable, and a round that failed inside
+            # the engine leaves the session's KV suspect: either way it is closed.
+            self._close(session)
             raise
         finally:
             if self._work.get(session.id) is work:
@@ -395,9 +365,9 @@ class Engine:
                 schedule_s = time.perf_counter() - planned_at
                 try:
                     outcomes = await loop.run_in_executor(self._executor, self.step, rows, schedule_s)
-                except Exception as exc:  # the forward itself failed: every row fails alike
-                    log.exception("batched forward failed")
-                    outcomes = [exc] * len(rows)
+                except Exception as exc:  # a bug outside any one row: every row fails alike
+                    log.exception("engine step failed")
+                    outcomes = [failure_for_client(exc)] * len(rows)
                 for (work, _), outcome in zip(rows, outcomes):
                     if work.future.done() or outcome is None:
                         continue
@@ -427,49 +397,58 @@ class Engine:
             tree_parents=None if is_chain else work.draft_parents,
         )
 
-    def _draft_on_server(self, works: list[_Work]) -> None:
-        """Fill in the drafts of server-drafted rounds, batched across them."""
-        rows = []
-        for work in works:
-            context = (*work.session.prompt, *work.session.generated)
-            rows.append(DraftRow(work.session.slot, work.session.draft_cached, context[work.session.draft_cached :]))
-        drafts = self.server_drafter.propose(rows, max(w.server_draft_tokens for w in works))
-        for work, draft in zip(works, drafts):
-            work.draft_token_ids = tuple(draft[: work.server_draft_tokens])
-            work.draft_parents = tree.chain_parents(len(work.draft_token_ids) + 1)
+    def _draft_on_server(self, works: list[_Work]) -> list[Exception | None]:
+        """Fill in the drafts of server-drafted rounds, batched across them; each work's failure or None."""
+
+        def draft(batch: list[_Work]) -> list[list[int]]:
+            rows = []
+            for work in batch:
+                context = (*work.session.prompt, *work.session.generated)
+                rows.append(DraftRow(work.session.slot, work.session.draft_cached, context[work.session.draft_cached :]))
+            return self.server_drafter.propose(rows, max(w.server_draft_tokens for w in batch))
+
+        results = run_isolated(draft, works)
+        for work, result in zip(works, results):
+            if not isinstance(result, Exception):
+                work.draft_token_ids = tuple(result[: work.server_draft_tokens])
+                work.draft_parents = tree.chain_parents(len(work.draft_token_ids) + 1)
+        return [result if isinstance(result, Exception) else None for result in results]
 
     def step(self, rows, schedule_s: float) -> list[RoundOutcome | Exception | None]:
         """One batched forward, then each row's verification and commit. Engine thread only.
 
-        A row's outcome is None for a prefill chunk that is not its prompt's last.
+        A row's outcome is None for a prefill chunk that is not its prompt's last, and an
+        error for a row that failed: a failure stays with its row (server/isolation.py).
         """
         started = time.monotonic()
-        server_drafted = [work for work, chunk in rows if chunk is None and work.server_draft_tokens]
-        if server_drafted:
-            self._draft_on_server(server_drafted)
-        requests = [self._request(work, chunk) for work, chunk in rows]
+        outcomes: list[RoundOutcome | Exception | None] = [None] * len(rows)
+        drafted = [i for i, (work, chunk) in enumerate(rows) if chunk is None and work.server_draft_tokens]
+        if drafted:
+            for i, failure in zip(drafted, self._draft_on_server([rows[i][0] for i in drafted])):
+                outcomes[i] = failure
+        live = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        requests = [self._request(*rows[i]) for i in live]
         target_started = time.monotonic()
-        logits = self.runner.forward(requests)
+        logits = finite_rows(run_isolated(self.runner.forward, requests)) if requests else []
         forward_s = time.monotonic() - started
         batch_tokens = sum(len(request.token_ids) for request in requests)
-        self.cost_model.observe(
-            batch_tokens=batch_tokens, batch_rows=len(rows), seconds=time.monotonic() - target_started
-        )
+        if not any(isinstance(row, Exception) for row in logits):  # retries would skew the cost model
+            self.cost_model.observe(
+                batch_tokens=batch_tokens, batch_rows=len(requests), seconds=time.monotonic() - target_started
+            )
 
         self._budget_share += 0.25 * (min(1.0, batch_tokens / self.config.batcher.max_batch_tokens) - self._budget_share)
         self.load = self.cost_model.load(fallback=self._budget_share)
-        outcomes: list[RoundOutcome | Exception | None] = []
-        for (work, chunk), row_logits in zip(rows, logits):
+        for i, row_logits in zip(live, logits):
+            work, chunk = rows[i]
             timing = RoundTiming(max(0.0, started - work.queued_at), forward_s, len(rows), batch_tokens)
-            try:
-                if chunk is None:
-                    self.stats.observe_queue_wait(timing.queue_s)
-                    outcomes.append(self._after_round(work, row_logits, timing))
-                else:
-                    outcomes.append(self._after_prefill(work, chunk, row_logits, timing))
-            except Exception as exc:
-                log.exception("postprocessing session %s failed", work.session.id[:8])
-                outcomes.append(exc)
+            failed = isinstance(row_logits, Exception)
+            outcomes[i] = row_logits if failed else self._postprocess(work, chunk, row_logits, timing)
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, Exception):
+                log.error("session %s failed in the engine; closing it", rows[i][0].session.id[:8], exc_info=outcome)
+                self.stats.observe_failed_request()
+                outcomes[i] = failure_for_client(outcome)
         self.stats.observe_step(
             batch_size=len(rows),
             batch_tokens=batch_tokens,
@@ -479,51 +458,24 @@ class Engine:
         )
         return outcomes
 
-    def _after_prefill(self, work: _Work, chunk: PrefillChunk, logits, timing: RoundTiming) -> RoundOutcome | None:
+    def _postprocess(self, work: _Work, chunk: PrefillChunk | None, logits, timing: RoundTiming):
+        """One row's verification and commit (server/postprocess.py); a failure is returned, to stay with the row."""
         session = work.session
-        session.num_cached = chunk.start + chunk.num_tokens
-        if not chunk.is_last:
+        try:
+            if chunk is not None:
+                committed = after_prefill(session, chunk, logits, self.stats, prefill_start=work.prefill_start)
+            else:
+                self.stats.observe_queue_wait(timing.queue_s)
+                committed = after_round(
+                    session, work.draft_token_ids, work.draft_parents, work.draft_dists, logits, self.runner,
+                    self.stats, server_drafted=work.server_draft_tokens > 0,
+                )  # fmt: skip
+        except Exception as exc:
+            return exc
+        if committed is None:  # a prefill chunk before the prompt's last
             return None
-        [first] = sample(logits, [session.prompt_len], session.sampling, session.seed)
-        kept = session.commit([first], num_new_cached=0)
-        self.stats.observe_prefill(num_prompt_tokens=session.prompt_len - work.prefill_start)
-        return RoundOutcome((), kept, session.finish, len(session.generated), self._advise(session), timing)
-
-    def _after_round(self, work: _Work, logits, timing: RoundTiming) -> RoundOutcome:
-        session = work.session
-        # The pending token sits at sequence index num_context - 1; the sample
-        # after a node of depth d lands at num_context + d.
-        depths = tree.depths(work.draft_parents)
-        positions = [session.num_context + d for d in depths]
-        if work.draft_dists and not session.sampling.greedy:
-            probs = target_probs(logits, session.sampling)
-            result = verify_chain_by_rejection(work.draft_token_ids, work.draft_dists, probs, positions, session.seed)
-        else:  # greedy, trees, and chains sent without q: lossless for any sampler
-            samples = sample(logits, positions, session.sampling, session.seed)
-            result = verify_by_sampling(work.draft_token_ids, work.draft_parents, samples)
-        self._compact_path(session, result.accepted_nodes)
-        tokens = [work.draft_token_ids[node - 1] for node in result.accepted_nodes] + [result.next_token]
-        if work.server_draft_tokens:
-            # The draft cache holds the context plus every draft but the last.
-            session.draft_cached = session.num_context + min(len(result.accepted_nodes), len(work.draft_token_ids) - 1)
-        kept = session.commit(tokens, num_new_cached=1 + len(result.accepted_nodes))
-        # Report only drafts that were committed (a stop or the length limit may cut the path).
-        accepted = result.accepted_nodes[: len(kept)]
-        session.speculation.observe(len(work.draft_token_ids), len(result.accepted_nodes))
-        self.stats.observe_round(
-            num_draft_tokens=len(work.draft_token_ids), accepted_depth=len(accepted), num_committed=len(kept)
-        )
-        return RoundOutcome(accepted, kept, session.finish, len(session.generated), self._advise(session), timing)
-
-    def _advise(self, session: Session) -> int:
-        return min(session.speculation.next_advice(self.load), self.config.max_draft_tokens)
-
-    def _compact_path(self, session: Session, accepted_nodes: tuple[int, ...]) -> None:
-        """Make the accepted path's KV contiguous after the pending token (a no-op for chains)."""
-        wanted = tuple(range(1, len(accepted_nodes) + 1))
-        if accepted_nodes != wanted:
-            base = session.num_cached
-            self.runner.move_kv(session.slot, [base + n for n in accepted_nodes], [base + n for n in wanted])
+        advice = min(session.speculation.next_advice(self.load), self.config.max_draft_tokens)
+        return RoundOutcome(committed.accepted_nodes, committed.token_ids, session.finish, len(session.generated), advice, timing)
 
     async def _reap_idle(self) -> None:
         period = min(30.0, self.config.idle_timeout_s / 2)

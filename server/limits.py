@@ -1,9 +1,9 @@
 """The per-identity rate limit on rounds: one token bucket per identity.
 
-A round is an OpenSession, a Verify, or one step of a Generate stream. Edge
-calls past the bucket are refused with RESOURCE_EXHAUSTED and a
-`retry-after-ms` trailer; Generate streams, which the server drives, are
-paced instead. The rate and burst are reported in the handshake, and the edge
+A round is an OpenSession, a ContinueSession, a Verify, or one step of a
+Generate stream. Edge calls past the bucket are refused with
+RESOURCE_EXHAUSTED and a `retry-after-ms` trailer; Generate streams, which
+the server drives, are paced instead. The rate and burst are reported in the handshake, and the edge
 paces itself with a bucket of the same shape.
 """
 

@@ -31,6 +31,7 @@ _COUNTERS = (
     ("verify_rounds", "num_rounds", "Verify rounds, with or without draft tokens."),
     ("engine_steps", "num_steps", "Batched forward steps run by the engine."),
     ("sessions_rejected", "sessions_rejected", "Sessions refused at admission (no free KV slot)."),
+    ("requests_failed", "requests_failed", "Requests that failed inside the engine alone (their batch ran without them)."),
 )
 _GAUGES = (
     ("active_sessions", "active_sessions", "Open sessions."),
@@ -66,6 +67,13 @@ class StatsCollector(Collector):
         for position, count in sorted(snapshot["num_accepted_tokens_per_pos"].items()):
             per_pos.add_metric([str(position)], count)
         yield per_pos
+
+        refused = CounterMetricFamily(
+            PREFIX + "requests_refused", "Calls refused by policy, by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(snapshot["requests_refused"].items()):
+            refused.add_metric([reason], count)
+        yield refused
 
         for name, key, documentation in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, documentation, value=snapshot[key])

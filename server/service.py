@@ -1,8 +1,10 @@
-"""The gRPC servicer: translate messages, call the engine, map failures to statuses.
+"""The gRPC servicer: authenticate, validate, call the engine, map failures to statuses.
 
-Handlers stay thin: conversions live in specedge/wire.py, behaviour in the
-engine, and every failure goes through `_statuses`, so one request's error
-reaches that request alone.
+Every handler goes through `_rpc`, which first names the caller (server/auth.py;
+UNAUTHENTICATED otherwise), then refuses a request that failed to parse
+(server/decoding.py), and maps each failure to its one status, so one
+request's error reaches that request alone. Validation lives in
+server/requests.py, conversions in specedge/wire.py, behaviour in the engine.
 """
 
 from __future__ import annotations
@@ -11,39 +13,56 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
 
 import grpc
 
 import specedge
 from specedge import wire
 from specedge.server import errors
+from specedge.server.auth import Authenticator, Caller
+from specedge.server.decoding import Malformed
 from specedge.server.engine import Engine, RoundOutcome
-from specedge.tokens import IncompatibleTokenizer, check_compatible
+from specedge.server.limits import RoundRateLimiter
+from specedge.server.requests import RequestValidator
+from specedge.server.transport import TransportConfig
+from specedge.types import FinishReason
 from specedge.v1 import specedge_pb2 as pb
 from specedge.v1 import specedge_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 
-def _statuses(handler):
-    """Map ServiceError to its status, out-of-memory to RESOURCE_EXHAUSTED, the rest to INTERNAL."""
+def _rpc(handler):
+    """Authenticate, refuse malformed requests, and map failures: ServiceError to its status,
+    out-of-memory to RESOURCE_EXHAUSTED, anything else to INTERNAL. The handler gets the Caller."""
 
     async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext):
         if isinstance(exc, errors.ServiceError):
             if exc.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after-ms", str(round(exc.retry_after_s * 1000))),))
+                context.set_trailing_metadata((("retry-after-ms", str(math.ceil(exc.retry_after_s * 1000))),))
             await context.abort(exc.code, str(exc))
         if "out of memory" in str(exc).lower():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server ran out of memory; retry later")
         log.exception("unexpected error in %s", handler.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal server error ({type(exc).__name__})")
 
+    def admit(self: SpecEdgeService, request, context: grpc.aio.ServicerContext) -> Caller:
+        try:
+            caller = self.authenticator.caller(context.invocation_metadata() or (), context.peer())
+        except errors.Unauthenticated:
+            self.engine.stats.observe_refused("unauthenticated")
+            raise
+        if isinstance(request, Malformed):
+            raise errors.InvalidArgument(str(request))
+        return caller
+
     if inspect.isasyncgenfunction(handler):
 
         @functools.wraps(handler)
         async def stream_wrapper(self, request, context):
             try:
-                async for reply in handler(self, request, context):
+                async for reply in handler(self, request, context, admit(self, request, context)):
                     yield reply
             except Exception as exc:
                 await abort_for(exc, context)
@@ -53,7 +72,7 @@ def _statuses(handler):
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
-            return await handler(self, request, context)
+            return await handler(self, request, context, admit(self, request, context))
         except Exception as exc:
             await abort_for(exc, context)
 
@@ -61,61 +80,59 @@ def _statuses(handler):
 
 
 class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
-    def __init__(self, engine: Engine):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        authenticator: Authenticator,
+        rate_limiter: RoundRateLimiter,
+        transport: TransportConfig,
+    ):
         self.engine = engine
+        self.authenticator = authenticator
+        self.rate_limiter = rate_limiter
         self.fingerprint = engine.target.fingerprint
+        self.requests = RequestValidator(engine.config.request_limits(engine.vocab_size), self.fingerprint)
+        self.limits = self._limits(transport)
 
-    def _limits(self) -> pb.ServerLimits:
-        config = self.engine.config
+    def _limits(self, transport: TransportConfig) -> pb.ServerLimits:
+        config, rate = self.engine.config, self.rate_limiter.config
         return pb.ServerLimits(
             max_context_tokens=config.max_context,
             max_draft_tokens=config.max_draft_tokens,
             max_sessions=config.max_sessions,
+            max_prompt_tokens=config.prompt_limit,
+            max_draft_prob_tokens=config.max_draft_prob_tokens,
+            max_sessions_per_identity=config.identity_session_limit,
+            max_rounds_per_second=rate.rounds_per_s or 0.0,
+            round_burst=rate.burst,
+            max_message_bytes=transport.max_message_bytes,
+            idle_session_timeout_s=config.idle_timeout_s,
+            idle_connection_timeout_s=transport.idle_connection_timeout_s or 0.0,
         )
 
-    def _check_tokenizer(self, msg: pb.TokenizerFingerprint) -> None:
+    def _admit_round(self, caller: Caller) -> None:
         try:
-            check_compatible(wire.fingerprint_from_proto(msg), self.fingerprint)
-        except IncompatibleTokenizer as exc:
-            raise errors.FailedPrecondition(f"{exc}: the draft model must use the target's tokenizer") from None
+            self.rate_limiter.admit(caller.identity)
+        except errors.ResourceExhausted:
+            self.engine.stats.observe_refused("rate_limited")
+            raise
 
-    @staticmethod
-    def _sampling(msg: pb.SamplingParams):
-        try:
-            return wire.sampling_from_proto(msg)
-        except ValueError as exc:
-            raise errors.InvalidArgument(str(exc)) from None
-
-    @staticmethod
-    def _owner(context: grpc.aio.ServicerContext) -> str:
-        # The peer address names the TCP connection: a session opened on one
-        # connection cannot be driven from another. (Channels inside one client
-        # process may share a connection unless they use a local subchannel pool,
-        # as EdgeClient does.)
-        return context.peer()
-
-    @_statuses
-    async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
-        if request.protocol_version != wire.PROTOCOL_VERSION:
-            raise errors.FailedPrecondition(
-                f"edge speaks protocol {request.protocol_version}, server speaks {wire.PROTOCOL_VERSION}; upgrade specedge"
-            )
-        self._check_tokenizer(request.draft_tokenizer)
+    @_rpc
+    async def Handshake(self, request: pb.HandshakeRequest, context, caller: Caller) -> pb.HandshakeResponse:
+        self.requests.check_handshake(request)
         return pb.HandshakeResponse(
             protocol_version=wire.PROTOCOL_VERSION,
             server_version=specedge.__version__,
             model_name=self.engine.target.name,
             target_tokenizer=wire.fingerprint_to_proto(self.fingerprint),
-            limits=self._limits(),
+            limits=self.limits,
         )
 
-    @_statuses
-    async def OpenSession(self, request: pb.OpenSessionRequest, context) -> pb.OpenSessionResponse:
-        self._check_tokenizer(request.tokenizer)
-        sampling, seed = self._sampling(request.sampling)
-        session, outcome = await self.engine.open_session(
-            self._owner(context), list(request.prompt_token_ids), request.max_new_tokens, sampling, seed
-        )
+    @_rpc
+    async def OpenSession(self, request: pb.OpenSessionRequest, context, caller: Caller) -> pb.OpenSessionResponse:
+        self._admit_round(caller)
+        session, outcome = await self.engine.open_session(caller, self.requests.session_request(request))
         return self._opened(session, outcome)
 
     def _opened(self, session, outcome: RoundOutcome) -> pb.OpenSessionResponse:
@@ -123,68 +140,49 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
             session_id=session.id,
             first_token_id=outcome.token_ids[0],
             finish_reason=wire.finish_to_proto(outcome.finish),
-            limits=self._limits(),
+            limits=self.limits,
             advised_draft_tokens=outcome.advised_draft_tokens,
         )
 
-    @_statuses
-    async def ContinueSession(self, request: pb.ContinueSessionRequest, context) -> pb.OpenSessionResponse:
-        sampling, seed = self._sampling(request.sampling)
-        session, outcome = await self.engine.continue_session(
-            self._owner(context),
-            request.session_id,
-            request.keep_tokens,
-            list(request.token_ids),
-            request.max_new_tokens,
-            sampling,
-            seed,
-        )
+    @_rpc
+    async def ContinueSession(self, request: pb.ContinueSessionRequest, context, caller: Caller) -> pb.OpenSessionResponse:
+        self._admit_round(caller)
+        turn = self.requests.turn_request(request)
+        session, outcome = await self.engine.continue_session(caller, request.session_id, turn)
         return self._opened(session, outcome)
 
-    @_statuses
-    async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
-        try:
-            dists = wire.dists_from_proto(request.draft_probs)
-        except ValueError as exc:
-            raise errors.InvalidArgument(str(exc)) from None
-        outcome = await self.engine.verify(
-            self._owner(context),
-            request.session_id,
-            list(request.draft_token_ids),
-            list(request.draft_parents),
-            request.num_generated,
-            dists,
-        )
+    @_rpc
+    async def Verify(self, request: pb.VerifyRequest, context, caller: Caller) -> pb.VerifyResponse:
+        self._admit_round(caller)
+        draft = self.requests.draft_round(request)
+        outcome = await self.engine.verify(caller, request.session_id, draft, request.num_generated)
         return wire.round_to_proto(outcome)
 
-    @_statuses
-    async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
-        self.engine.close_session(self._owner(context), request.session_id)
+    @_rpc
+    async def CloseSession(self, request: pb.CloseSessionRequest, context, caller: Caller) -> pb.CloseSessionResponse:
+        self.engine.close_session(caller, request.session_id)
         return pb.CloseSessionResponse()
 
-    @_statuses
-    async def Generate(self, request: pb.GenerateRequest, context):
-        self._check_tokenizer(request.tokenizer)
-        sampling, seed = self._sampling(request.sampling)
-        outcomes = self.engine.generate(
-            self._owner(context),
-            list(request.prompt_token_ids),
-            request.max_new_tokens,
-            sampling,
-            seed,
-            server_draft_tokens=request.server_draft_tokens,
-        )
+    @_rpc
+    async def Generate(self, request: pb.GenerateRequest, context, caller: Caller):
+        self._admit_round(caller)
+        session_request = self.requests.session_request(request)
+        outcomes = self.engine.generate(caller, session_request, self.requests.server_draft_tokens(request))
         async for outcome in outcomes:
             yield _generate_reply(outcome)
+            if outcome.finish is FinishReason.NONE:
+                # The server drives this stream, so it is paced to the identity's rate, not refused.
+                if delay_s := self.rate_limiter.delay(caller.identity):
+                    await asyncio.sleep(delay_s)
 
-    async def Attach(self, request: pb.AttachRequest, context):
-        owner = self._owner(context)
-        self.engine.attach(owner)
+    @_rpc
+    async def Attach(self, request: pb.AttachRequest, context, caller: Caller):
+        self.engine.attach(caller.connection)
         try:
             await asyncio.Event().wait()  # until the client goes away or the server stops
             yield pb.ServerNotice()  # never reached; makes this an async generator
         finally:
-            self.engine.detach(owner)
+            self.engine.detach(caller.connection)
 
 
 def _generate_reply(outcome: RoundOutcome) -> pb.GenerateResponse:

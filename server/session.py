@@ -22,7 +22,8 @@ from specedge.types import FinishReason, SamplingParams
 @dataclasses.dataclass(eq=False)
 class Session:
     id: str
-    owner: str  # the connection (or identity) that opened it; only it may drive it
+    owner: str  # the identity that opened it (server/auth.py); only it may drive it
+    connection: str  # the connection it was opened on; when that connection's Attach lease ends, it is closed
     slot: int
     prompt: tuple[int, ...]
     max_new_tokens: int

@@ -64,6 +64,8 @@ class ServerStats:
         self.batch_size = Histogram(_SIZES)
         self.batch_tokens = Histogram(_SIZES)
         self.sessions_rejected = 0
+        self.requests_refused: collections.Counter[str] = collections.Counter()  # reason -> calls refused by policy
+        self.requests_failed = 0  # requests that failed inside the engine (server/isolation.py)
 
     def observe_round(self, *, num_draft_tokens: int, accepted_depth: int, num_committed: int) -> None:
         with self._lock:
@@ -101,6 +103,15 @@ class ServerStats:
         with self._lock:
             self.sessions_rejected += 1
 
+    def observe_refused(self, reason: str) -> None:
+        """A call refused by policy: unauthenticated, rate_limited or session_limit."""
+        with self._lock:
+            self.requests_refused[reason] += 1
+
+    def observe_failed_request(self) -> None:
+        with self._lock:
+            self.requests_failed += 1
+
     def set_sessions(self, *, active: int, slots_used: int, slots_free: int) -> None:
         with self._lock:
             self.active_sessions, self.kv_slots_used, self.kv_slots_free = active, slots_used, slots_free
@@ -121,6 +132,8 @@ class ServerStats:
                 "kv_slots_used": self.kv_slots_used,
                 "kv_slots_free": self.kv_slots_free,
                 "sessions_rejected": self.sessions_rejected,
+                "requests_refused": dict(self.requests_refused),
+                "requests_failed": self.requests_failed,
                 **{
                     name: copy.deepcopy(getattr(self, name))
                     for name in ("queue_wait_s", "forward_s", "schedule_s", "postprocess_s", "batch_size", "batch_tokens")

@@ -9,17 +9,16 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from harness import ServerThread
+from raw_edge import PROMPT, Edge, status_of
 from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
 from specedge.v1 import specedge_pb2 as pb
-from specedge.v1 import specedge_pb2_grpc
 
 MAX_SESSIONS, MAX_CONTEXT, MAX_DRAFT = 3, 128, 8
 ONE_HOT_5 = pb.SparseDistribution(token_ids=[5], probs=[1.0])
-PROMPT = [1, 87, 324, 201, 260, 309, 81, 223, 2, 201, 1, 67, 85, 201]
 
 
 @pytest.fixture(scope="module")
@@ -38,45 +37,6 @@ def fingerprint(tiny_target_dir):
 def expected(tiny_target_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
     return greedy_decode(model, PROMPT, 30, {2})
-
-
-class Edge:
-    """A raw client on its own connection (as a separate machine would be), so the tests can send anything."""
-
-    def __init__(self, address: str, fingerprint: pb.TokenizerFingerprint):
-        # Channels in one process share TCP connections unless told not to.
-        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-        self.stub = specedge_pb2_grpc.SpecEdgeStub(self.channel)
-        self.fingerprint = fingerprint
-
-    async def open(self, prompt=PROMPT, max_new_tokens=30, **sampling) -> pb.OpenSessionResponse:
-        request = pb.OpenSessionRequest(
-            tokenizer=self.fingerprint,
-            prompt_token_ids=prompt,
-            max_new_tokens=max_new_tokens,
-            sampling=pb.SamplingParams(**sampling),
-        )
-        return await self.stub.OpenSession(request)
-
-    async def verify(self, session_id, drafts=(), parents=(), num_generated=1, dists=()) -> pb.VerifyResponse:
-        request = pb.VerifyRequest(
-            session_id=session_id,
-            draft_token_ids=drafts,
-            draft_parents=parents,
-            num_generated=num_generated,
-            draft_probs=dists,
-        )
-        return await self.stub.Verify(request)
-
-
-async def status_of(coro, *, with_trailers: bool = False):
-    try:
-        await coro
-    except grpc.aio.AioRpcError as exc:
-        if with_trailers:
-            return exc.code(), exc.details(), dict(exc.trailing_metadata() or ())
-        return exc.code(), exc.details()
-    return (grpc.StatusCode.OK, "", {}) if with_trailers else (grpc.StatusCode.OK, "")
 
 
 def test_bad_requests_fail_alone(server, fingerprint, expected):
@@ -137,8 +97,8 @@ def test_bad_requests_fail_alone(server, fingerprint, expected):
         "negative temperature": (invalid, "temperature must be"),
         "top_p above one": (invalid, "top_p must be in (0, 1]"),
         "unknown session": (grpc.StatusCode.NOT_FOUND, "unknown session"),
-        "foreign session": (grpc.StatusCode.PERMISSION_DENIED, "another connection"),
-        "foreign close": (grpc.StatusCode.PERMISSION_DENIED, "another connection"),
+        "foreign session": (grpc.StatusCode.PERMISSION_DENIED, "another identity"),
+        "foreign close": (grpc.StatusCode.PERMISSION_DENIED, "another identity"),
         "draft too long": (invalid, f"exceeds the server's max_draft_tokens {MAX_DRAFT}"),
         "draft id out of range": (invalid, "draft token id 400"),
         "parent after child": (invalid, "draft node 2 has parent 2"),

@@ -67,6 +67,10 @@ def scripted_stats() -> ServerStats:
     stats.observe_queue_wait(0.3)
     stats.observe_rejected_session()
     stats.observe_rejected_session()
+    stats.observe_refused("unauthenticated")
+    stats.observe_refused("rate_limited")
+    stats.observe_refused("rate_limited")
+    stats.observe_failed_request()
     stats.set_sessions(active=2, slots_used=2, slots_free=6)
     return stats
 
@@ -83,6 +87,9 @@ EXPECTED = {
     ("specedge:verify_rounds_total", ()): 3,
     ("specedge:engine_steps_total", ()): 2,
     ("specedge:sessions_rejected_total", ()): 2,
+    ("specedge:requests_failed_total", ()): 1,
+    ("specedge:requests_refused_total", (("reason", "rate_limited"),)): 2,
+    ("specedge:requests_refused_total", (("reason", "unauthenticated"),)): 1,
     ("specedge:active_sessions", ()): 2,
     ("specedge:kv_slots_used", ()): 2,
     ("specedge:kv_slots_free", ()): 6,
