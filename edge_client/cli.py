@@ -52,6 +52,11 @@ def add_edge_options(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--telemetry", action="store_true", help="publish this edge's stats (numbers, never text)")
     fleet.add_argument("--edge-id", default=None, help="this edge's id in telemetry (default: random)")
     add_broker_options(parser)
+    security = parser.add_argument_group("security (see SECURITY.md)")
+    security.add_argument("--token", default=None, help="bearer token from the server's operator (or $SPECEDGE_TOKEN)")
+    security.add_argument("--tls-ca", default=None, help="PEM CA that signed the server's certificate: connect with TLS")
+    security.add_argument("--tls-cert", default=None, help="PEM client certificate, for servers requiring mutual TLS")
+    security.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
+    from specedge.edge_client.channel import ChannelSecurity
     from specedge.edge_client.client import EdgeConfig
     from specedge.edge_client.drafting.base import TreeBudget
     from specedge.edge_client.runtime import RuntimeConfig
@@ -109,6 +115,7 @@ def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
         server_only=args.server_only,
         threads=args.threads,
         num_drafters=getattr(args, "parallel", 1),
+        security=ChannelSecurity.from_env(args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key),
     )
 
 

@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 
 from specedge import wire
+from specedge.edge_client.channel import ChannelSecurity, open_channel
 from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, Drafter, TreeBudget
+from specedge.ratelimit import TokenBucket
 from specedge.tokens import IncompatibleTokenizer, TokenizerFingerprint, check_compatible
 from specedge.types import SamplingParams
 from specedge.v1 import specedge_pb2 as pb
@@ -26,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # A callback gets each batch of committed tokens; returning True stops the answer there (a stop string).
 TokenCallback = Callable[[Sequence[int]], "bool | None"]
+MAX_RETRIES = 3  # of a call refused with RESOURCE_EXHAUSTED and a retry-after-ms trailer
+MAX_RETRY_AFTER_MS = 10_000
 
 
 class EdgeError(Exception):
@@ -94,6 +98,14 @@ def _explain(exc: grpc.aio.AioRpcError, address: str) -> EdgeError:
     return EdgeError(f"server refused: {exc.code().name}: {exc.details()}", status=exc.code().name)
 
 
+def _retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
+    """How long a RESOURCE_EXHAUSTED refusal asks us to wait before retrying (capped); None: do not retry."""
+    value = dict(exc.trailing_metadata() or ()).get("retry-after-ms")
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or not isinstance(value, str) or not value.isdigit():
+        return None
+    return min(int(value), MAX_RETRY_AFTER_MS) / 1000
+
+
 class SessionGone(EdgeError):
     """The server no longer knows the session (it expired, or the server restarted)."""
 
@@ -108,6 +120,7 @@ class EdgeClient:
         *,
         config: EdgeConfig = EdgeConfig(),
         choose_address: Callable[[], Awaitable[str]] | None = None,
+        security: ChannelSecurity = ChannelSecurity(),
     ):
         self.address = address
         self.fingerprint = fingerprint
@@ -115,6 +128,8 @@ class EdgeClient:
         # Fleet discovery: asked which server to use on every (re)connect. With it, `abandon()` moves
         # this client off its server (draining, offline), and resumed sessions land where it points.
         self.choose_address = choose_address
+        self.security = security  # TLS and the bearer token (edge_client/channel.py)
+        self._pace: TokenBucket | None = None  # the server's per-identity round rate, when it has one
         self._channel: grpc.aio.Channel | None = None
         self._stub: specedge_pb2_grpc.SpecEdgeStub | None = None
         self._lease: grpc.aio.UnaryStreamCall | None = None
@@ -132,13 +147,11 @@ class EdgeClient:
         await self._disconnect()
 
     async def connect(self) -> None:
-        # Its own TCP connection, even beside other clients in this process: the
-        # server binds sessions to the connection that opened them.
         await self._disconnect()
         if self.choose_address is not None:
             self.address = await self.choose_address()
             self._left = asyncio.get_running_loop().create_future()
-        self._channel = grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        self._channel = open_channel(self.address, self.security)
         self._stub = specedge_pb2_grpc.SpecEdgeStub(self._channel)
         await self.handshake()
         # The connection's lease: if this process dies, the server frees our slots at once.
@@ -232,15 +245,26 @@ class EdgeClient:
         await self._network_delay()
         if self.must_leave:
             raise self._leaving()
-        try:
-            rpc = method(request, timeout=self.config.rpc_timeout_s, **options)
-            reply = await self._unless_left(rpc, rpc)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise SessionGone(exc.details()) from None
-            raise _explain(exc, self.address) from None
+        for attempt in range(MAX_RETRIES + 1):
+            try:
+                rpc = method(request, timeout=self.config.rpc_timeout_s, **options)
+                reply = await self._unless_left(rpc, rpc)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if (wait_s := _retry_after_s(exc)) is not None and attempt < MAX_RETRIES:
+                    await asyncio.sleep(wait_s)  # refused before anything happened: the same call again
+                    continue
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    raise SessionGone(exc.details()) from None
+                raise _explain(exc, self.address) from None
         await self._network_delay()
         return reply
+
+    async def _round(self, method, request):
+        """OpenSession, ContinueSession, Verify: paced to the server's round rate, so it never refuses one."""
+        if self._pace is not None and (delay_s := self._pace.reserve()):
+            await asyncio.sleep(delay_s)
+        return await self._call(method, request)
 
     async def handshake(self) -> pb.HandshakeResponse:
         request = pb.HandshakeRequest(
@@ -254,6 +278,9 @@ class EdgeClient:
         except IncompatibleTokenizer as exc:
             raise EdgeError(f"draft is not compatible with the server's model {reply.model_name}: {exc}") from None
         self.server_info = reply
+        if reply.limits.max_rounds_per_second > 0:
+            # A tenth below the limit, so that jitter in when rounds reach the server never pushes one over.
+            self._pace = TokenBucket(0.9 * reply.limits.max_rounds_per_second, max(1, reply.limits.round_burst))
         return reply
 
     # -- one method per RPC --------------------------------------------------
@@ -267,7 +294,7 @@ class EdgeClient:
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-        return await self._call(self._stub.OpenSession, request)
+        return await self._round(self._stub.OpenSession, request)
 
     async def continue_session(
         self,
@@ -285,10 +312,10 @@ class EdgeClient:
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-        return await self._call(self._stub.ContinueSession, request)
+        return await self._round(self._stub.ContinueSession, request)
 
     async def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        return await self._call(self._stub.Verify, request)
+        return await self._round(self._stub.Verify, request)
 
     async def close_session(self, session_id: str) -> None:
         """Free the server's slot; shielded so that a cancelled generation still frees it."""

@@ -254,6 +254,9 @@ class Generation:
         self._advised = opened.advised_draft_tokens
         self._max_draft = min(self.config.num_draft, opened.limits.max_draft_tokens)
         self._max_draft_nodes = opened.limits.max_draft_tokens
+        if self._draft_sampling is not None and opened.limits.max_draft_prob_tokens:  # q no wider than accepted
+            top_k = min(self._draft_sampling.top_k, opened.limits.max_draft_prob_tokens)
+            self._draft_sampling = dataclasses.replace(self._draft_sampling, top_k=top_k)
         if not self.tokens:
             self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
         self._commit([opened.first_token_id], wire.finish_from_proto(opened.finish_reason))

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from specedge.edge_client.channel import ChannelSecurity
 from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, TokenCallback
 from specedge.edge_client.generation import Conversation, GenerationResult
 
@@ -35,6 +36,7 @@ class RuntimeConfig:
     # Choose the server through a fleet broker (specedge.fleet.discovery.DiscoveryConfig), and move
     # answers off a server that drains or goes offline.
     discovery: DiscoveryConfig | None = None
+    security: ChannelSecurity = ChannelSecurity()  # TLS and the bearer token
 
     def __post_init__(self):
         if self.num_drafters < 1:
@@ -77,7 +79,10 @@ class EdgeRuntime:
                 await self.router.start()
             choose = self.router.choose_address
         fingerprint = self.tokenizer.fingerprint
-        self.client = EdgeClient(self.config.server or "", fingerprint, config=self.config.edge, choose_address=choose)
+        self.client = EdgeClient(
+            self.config.server or "", fingerprint, config=self.config.edge, choose_address=choose,
+            security=self.config.security,
+        )  # fmt: skip
         if self.router is not None:
             self.router.follow(self.client)
         while True:

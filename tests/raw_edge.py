@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from specedge.edge_client.channel import ChannelSecurity, open_channel
 from specedge.v1 import specedge_pb2 as pb
 from specedge.v1 import specedge_pb2_grpc
 
@@ -14,9 +15,8 @@ PROMPT = [1, 87, 324, 201, 260, 309, 81, 223, 2, 201, 1, 67, 85, 201]
 class Edge:
     """A raw client on its own connection (as a separate machine would be), so the tests can send anything."""
 
-    def __init__(self, address: str, fingerprint: pb.TokenizerFingerprint):
-        # Channels in one process share TCP connections unless told not to.
-        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+    def __init__(self, address: str, fingerprint: pb.TokenizerFingerprint, security: ChannelSecurity = ChannelSecurity()):
+        self.channel = open_channel(address, security)  # its own connection, TLS and token as `security` says
         self.stub = specedge_pb2_grpc.SpecEdgeStub(self.channel)
         self.fingerprint = fingerprint
 

@@ -1,0 +1,66 @@
+"""The edge's gRPC channel: plaintext, TLS, or mutual TLS, with an optional bearer token.
+
+The token rides as `authorization: Bearer TOKEN` call credentials, which gRPC
+sends only over a secure transport: TLS (`tls_ca` given), or, for a plaintext
+server on this machine (loopback, e.g. through an SSH tunnel), gRPC's local
+credentials, which refuse any address that is not loopback. A token never
+crosses a network in the clear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import grpc
+
+from specedge.net import host_of, is_loopback
+
+TOKEN_ENV = "SPECEDGE_TOKEN"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelSecurity:
+    token: str | None = None  # bearer token from `specedge-server make-token`
+    tls_ca: str | None = None  # PEM file of the CA that signed the server's certificate; given: TLS
+    tls_cert: str | None = None  # PEM client certificate, for servers that require mutual TLS
+    tls_key: str | None = None  # PEM private key of tls_cert
+
+    def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("a client certificate needs its key: give both --tls-cert and --tls-key, or neither")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise ValueError("a client certificate is for TLS: give --tls-ca too")
+
+    @classmethod
+    def from_env(cls, token: str | None = None, **tls) -> ChannelSecurity:
+        """`token`, else $SPECEDGE_TOKEN (an empty value counts as none)."""
+        return cls(token=token or os.environ.get(TOKEN_ENV) or None, **tls)
+
+
+def open_channel(address: str, security: ChannelSecurity = ChannelSecurity()) -> grpc.aio.Channel:
+    """A channel on its own TCP connection (the server binds tokenless sessions to the connection)."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    if security.tls_ca is None and security.token is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    if security.tls_ca is not None:
+        transport = grpc.ssl_channel_credentials(
+            root_certificates=_read(security.tls_ca),
+            private_key=_read(security.tls_key) if security.tls_key else None,
+            certificate_chain=_read(security.tls_cert) if security.tls_cert else None,
+        )
+    elif is_loopback(host_of(address)):
+        transport = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    else:
+        raise ValueError(
+            f"refusing to send a token in plaintext to {address}: give --tls-ca for a TLS server "
+            "(or reach a plaintext server through a loopback address, e.g. an SSH tunnel)"
+        )
+    if security.token is not None:
+        transport = grpc.composite_channel_credentials(transport, grpc.access_token_call_credentials(security.token))
+    return grpc.aio.secure_channel(address, transport, options=options)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as pem:
+        return pem.read()
