@@ -13,16 +13,23 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from specedge.server.app import ServerConfig, SpecEdgeServer
+from specedge.server.runner import ModelRunner
 
 
 class ServerThread:
-    """`with ServerThread(config) as server:` serves on server.address until the block ends."""
+    """`with ServerThread(config) as server:` serves on server.address until the block ends.
 
-    def __init__(self, config: ServerConfig):
+    `wrap_runner` wraps the engine's model runner before the server starts: the
+    seam through which a test injects faults into the batched forward.
+    """
+
+    def __init__(self, config: ServerConfig, wrap_runner: Callable[[ModelRunner], ModelRunner] | None = None):
         self.server = SpecEdgeServer(config)
+        if wrap_runner is not None:
+            self.server.engine.runner = wrap_runner(self.server.engine.runner)
         self.loop = asyncio.new_event_loop()
         self.address: str | None = None
         self._ready = threading.Event()
