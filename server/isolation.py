@@ -42,8 +42,8 @@ def run_isolated(run_batch: Callable[[list[Item]], Sequence[Result]], items: lis
     except Exception as exc:
         if len(items) == 1:
             return [exc]
-        half = len(items) // 2
-        return run_isolated(run_batch, items[:half]) + run_isolated(run_batch, items[half:])
+    half = len(items) // 2  # outside the handler: each failure keeps its own traceback, unchained
+    return run_isolated(run_batch, items[:half]) + run_isolated(run_batch, items[half:])
 
 
 def finite_rows(logits: Sequence[torch.Tensor | Exception]) -> list[torch.Tensor | Exception]:
