@@ -10,6 +10,7 @@ paces itself with a bucket of the same shape.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 
@@ -58,7 +59,7 @@ class RoundRateLimiter:
         if wait_s > 0:
             raise errors.ResourceExhausted(
                 f"rate limit: at most {self.config.rounds_per_s:g} rounds per second per identity "
-                f"(bursts of {self.config.burst}); retry in {wait_s * 1000:.0f} ms",
+                f"(bursts of {self.config.burst}); retry in {math.ceil(wait_s * 1000)} ms",
                 retry_after_s=wait_s,
             )
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+_EPSILON = 1e-9  # refill arithmetic in floats: 0.1 s at 10/s must make a whole token
+
 
 class TokenBucket:
     def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
@@ -31,7 +33,7 @@ class TokenBucket:
     def try_take(self) -> float:
         """Take a token: 0.0 when one was there, else the seconds until one will be (nothing taken)."""
         self._refill()
-        if self._tokens >= 1:
+        if self._tokens >= 1 - _EPSILON:
             self._tokens -= 1
             return 0.0
         return (1 - self._tokens) / self.rate
@@ -45,4 +47,4 @@ class TokenBucket:
     @property
     def is_full(self) -> bool:
         self._refill()
-        return self._tokens >= self.burst
+        return self._tokens >= self.burst - _EPSILON
