@@ -23,15 +23,18 @@ class TransportConfig:
     max_message_bytes: int = 1 << 20  # largest request or reply; larger is RESOURCE_EXHAUSTED
     max_concurrent_rpcs: int = 1024  # calls in progress (Attach streams included); more is RESOURCE_EXHAUSTED
     idle_connection_timeout_s: float | None = 600.0  # close a connection with no call in progress; None: never
-    keepalive_s: float = 60.0  # ping a connection silent this long; one silent for 20 s more is closed
+    keepalive_s: float = 60.0  # ping a connection with a call in progress this often (finds vanished peers)
+    keepalive_timeout_s: float = 20.0  # a ping unanswered this long closes the connection
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs TLS: give --tls-cert and --tls-key too")
-        if self.max_message_bytes < 4096 or self.max_concurrent_rpcs < 1 or self.keepalive_s <= 0:
-            raise ValueError("max message bytes must be >= 4096, max concurrent RPCs >= 1 and keepalive > 0")
+        if self.max_message_bytes < 4096 or self.max_concurrent_rpcs < 1:
+            raise ValueError("max message bytes must be >= 4096 and max concurrent RPCs >= 1")
+        if self.keepalive_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("keepalive interval and timeout must be > 0")
         if self.idle_connection_timeout_s is not None and self.idle_connection_timeout_s <= 0:
             raise ValueError(f"idle connection timeout must be > 0, got {self.idle_connection_timeout_s}")
 
@@ -52,7 +55,11 @@ class TransportConfig:
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", round(self.keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", round(self.keepalive_timeout_s * 1000)),
+            # gRPC 1.85 arms the wait for a ping's answer only with this one set too (measured).
+            ("grpc.http2.ping_timeout_ms", round(self.keepalive_timeout_s * 1000)),
+            # An Attach stream sends no data for hours; pings must go on regardless (gRPC stops after 2 by default).
+            ("grpc.http2.max_pings_without_data", 0),
         ]
         if self.idle_connection_timeout_s is not None:
             options.append(("grpc.max_connection_idle_ms", round(self.idle_connection_timeout_s * 1000)))

@@ -224,3 +224,48 @@ def test_sessions_past_capacity_are_refused_and_memory_stays_in_budget(tiny_targ
     assert all(f"all {num_fitting} session slots are in use" in details for code, details in results[:60] if code == EXHAUSTED)
     assert kv_bytes <= budget_bytes
     assert rss_growth < 64 << 20, f"resident memory grew {rss_growth >> 20} MiB during the flood"
+
+
+FROZEN_EDGE = """
+import sys, time, grpc
+from specedge.v1 import specedge_pb2 as pb, specedge_pb2_grpc
+channel = grpc.insecure_channel(sys.argv[1])
+stub = specedge_pb2_grpc.SpecEdgeStub(channel)
+lease = stub.Attach(pb.AttachRequest())
+fingerprint = pb.TokenizerFingerprint.FromString(bytes.fromhex(sys.argv[2]))
+stub.OpenSession(pb.OpenSessionRequest(tokenizer=fingerprint, prompt_token_ids=[5, 6, 7], max_new_tokens=8))
+print("open", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_keepalive_frees_the_slots_of_an_edge_that_stops_answering(tiny_target_dir, fingerprint):
+    """A frozen process keeps its socket open but answers no ping: like a peer whose network vanished."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    transport = TransportConfig(keepalive_s=0.5, keepalive_timeout_s=0.5)
+    config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=64, transport=transport)
+    with ServerThread(config) as server:
+        engine = server.server.engine
+        serialized = wire.fingerprint_to_proto(fingerprint).SerializeToString().hex()
+        edge = subprocess.Popen(
+            [sys.executable, "-c", FROZEN_EDGE, server.address, serialized], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert edge.stdout.readline().strip() == "open"
+            time.sleep(1.5)  # answering pings: the lease holds
+            held = len(engine.sessions)
+            edge.send_signal(signal.SIGSTOP)
+            deadline = time.monotonic() + 15
+            while engine.sessions and time.monotonic() < deadline:
+                time.sleep(0.1)
+            freed_after = time.monotonic() - deadline + 15
+        finally:
+            edge.kill()
+            edge.wait(timeout=10)
+        assert held == 1
+        assert not engine.sessions and engine.slots.num_free == engine.slots.num_slots, "the frozen edge kept its slot"
+    assert freed_after < 10
