@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import trustme
 from transformers import AutoModelForCausalLM
 
-from harness import ServerThread
+from harness import ServerThread, start_server_process
 from raw_edge import PROMPT, Edge, status_of
 from reference import greedy_decode
 from specedge import wire
@@ -139,6 +140,7 @@ def test_every_rpc_needs_a_known_token(mtls_server, pki, tokens, fingerprint):
     calls = {
         "Handshake": lambda stub: stub.Handshake(pb.HandshakeRequest(protocol_version=1, draft_tokenizer=fp)),
         "OpenSession": lambda stub: stub.OpenSession(pb.OpenSessionRequest(tokenizer=fp, prompt_token_ids=PROMPT)),
+        "ContinueSession": lambda stub: stub.ContinueSession(pb.ContinueSessionRequest(session_id="x", token_ids=[5])),
         "Verify": lambda stub: stub.Verify(pb.VerifyRequest(session_id="x")),
         "CloseSession": lambda stub: stub.CloseSession(pb.CloseSessionRequest(session_id="x")),
         "Generate": lambda stub: stub.Generate(pb.GenerateRequest(tokenizer=fp, prompt_token_ids=PROMPT)).read(),
@@ -304,3 +306,28 @@ def test_edge_reports_a_refused_token_in_one_line(mtls_server, pki, fingerprint)
     with pytest.raises(EdgeError, match="UNAUTHENTICATED: unknown or revoked token"):
         asyncio.run(run())
     assert time.monotonic() - started < 10
+
+
+def test_the_command_lines_with_tls_and_a_token_from_the_environment(tiny_target_dir, tiny_draft_dir, pki, tokens):
+    process, address = start_server_process(
+        "--model", str(tiny_target_dir), "--max-context", "128", "--tls-cert", pki["server_cert"],
+        "--tls-key", pki["server_key"], "--auth-tokens", tokens["file"],
+    )  # fmt: skip
+    edge = [
+        os.path.join(os.path.dirname(sys.executable), "specedge-edge"), "--server", address, "--draft",
+        str(tiny_draft_dir), "--prompt", "print(i * i)", "--max-tokens", "12", "--tls-ca", pki["server_ca"],
+    ]  # fmt: skip
+    try:
+        answered = subprocess.run(
+            [*edge, "--json"], env={**os.environ, "SPECEDGE_TOKEN": tokens["alice"]}, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        refused = subprocess.run(edge, env={**os.environ, "SPECEDGE_TOKEN": ""}, capture_output=True, text=True, timeout=300)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert answered.returncode == 0, answered.stderr
+    assert len(json.loads(answered.stdout)["token_ids"]) == 12
+    assert refused.returncode == 1
+    [line] = refused.stderr.strip().splitlines()
+    assert line.startswith("specedge-edge: server refused: UNAUTHENTICATED: this server requires a token"), line

@@ -49,6 +49,7 @@ PRECISE = {
 REQUEST_TYPES = {
     "Handshake": pb.HandshakeRequest,
     "OpenSession": pb.OpenSessionRequest,
+    "ContinueSession": pb.ContinueSessionRequest,
     "Verify": pb.VerifyRequest,
     "CloseSession": pb.CloseSessionRequest,
     "Generate": pb.GenerateRequest,
@@ -253,6 +254,22 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
             assert 0 <= reply.first_token_id < VOCAB and reply.limits.max_draft_tokens == MAX_DRAFT
             self.live[reply.session_id] = 1
             return reply.session_id
+
+        @rule(
+            session=st.one_of(sessions, sessions, texts), keep=st.one_of(st.just(0), st.just(0), uint32),
+            tokens=id_lists, max_new_tokens=st.one_of(st.integers(0, MAX_CONTEXT), uint32), sampling=sampling,
+        )  # fmt: skip
+        def continue_session(self, session, keep, tokens, max_new_tokens, sampling):
+            """A new turn, in order or not: kept tokens beyond the session, empty turns, turns while in flight."""
+            session, tokens = expand(session), expand(tokens)
+            request = pb.ContinueSessionRequest(
+                session_id=session, keep_tokens=keep, token_ids=tokens, max_new_tokens=max_new_tokens,
+                sampling=sampling,
+            )  # fmt: skip
+            _, _, reply = call("ContinueSession", self.stub.ContinueSession, request)
+            if reply is not None:
+                assert reply.session_id == session and 0 <= reply.first_token_id < VOCAB
+                self.live[session] = 1
 
         @rule(
             session=st.one_of(sessions, sessions, texts), drafts=id_lists,

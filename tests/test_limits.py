@@ -112,6 +112,11 @@ def test_each_limit_refuses_with_a_precise_status(limited, fingerprint):
         edge = Edge(limited.address, fp)
         codes["prompt past max_prompt_tokens"] = await status_of(edge.open(prompt=[5] * 21), with_trailers=True)
         opened = await edge.open(max_new_tokens=8)
+        turn = pb.ContinueSessionRequest(session_id=opened.session_id, keep_tokens=1, token_ids=[5] * 21)
+        codes["turn past max_prompt_tokens"] = await status_of(edge.stub.ContinueSession(turn), with_trailers=True)
+        await edge.close(opened.session_id)
+        edge = Edge(limited.address, fp)  # a fresh rate bucket
+        opened = await edge.open(max_new_tokens=8)
         codes["q wider than max_draft_prob_tokens"] = await status_of(
             edge.verify(opened.session_id, [5], num_generated=1, dists=[wide_q]), with_trailers=True
         )
@@ -131,6 +136,7 @@ def test_each_limit_refuses_with_a_precise_status(limited, fingerprint):
     expected = {
         "third session of one identity": (EXHAUSTED, "this identity already has 2 open sessions"),
         "prompt past max_prompt_tokens": (INVALID, "exceeds the server's max_prompt_tokens 20"),
+        "turn past max_prompt_tokens": (INVALID, "a new turn of 21 tokens exceeds the server's max_prompt_tokens 20"),
         "q wider than max_draft_prob_tokens": (INVALID, "at most max_draft_prob_tokens 4"),
         "message past max_message_bytes": (EXHAUSTED, "Received message larger than max"),
         "round past the rate": (EXHAUSTED, f"at most {RATE:g} rounds per second per identity"),
