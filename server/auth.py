@@ -55,7 +55,8 @@ def make_token(name: str) -> tuple[str, str]:
     """A fresh token for `name`, and the line to add to the token file."""
     if not NAME_PATTERN.fullmatch(name):
         raise ValueError(
-            f"invalid identity name {name!r}: use 1-64 letters, digits, '_', '.', '@' or '-', starting with a letter or digit"
+            f"invalid identity name {name!r}: use 1-64 letters, digits, '_', '.', '@' or '-', "
+            "starting with a letter or digit"
         )
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     return token, f"{name}:{hash_token(token)}"
@@ -146,7 +147,7 @@ class Authenticator:
             log.error("could not re-read the token file; the last good one stays in force: %s", exc)
             return
         self._stamp, self._entries = stamp, entries
-        log.info("token file %s re-read: %d tokens for %d identities", self.token_file, len(entries), len(self.identities))
+        log.info("token file %s re-read: %d tokens, %d identities", self.token_file, len(entries), len(self.identities))
 
 
 def _bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str:

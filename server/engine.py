@@ -51,7 +51,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_sessions < 1 or self.max_context < 2 or self.max_draft_tokens < 0 or self.idle_timeout_s <= 0:
             raise ValueError(f"invalid engine config: {self}")
-        if self.max_draft_prob_tokens < 1 or (self.max_prompt_tokens or 1) < 1 or (self.max_sessions_per_identity or 1) < 1:
+        optional_limits = (self.max_prompt_tokens, self.max_sessions_per_identity)
+        if self.max_draft_prob_tokens < 1 or any(limit is not None and limit < 1 for limit in optional_limits):
             raise ValueError(f"invalid engine config: {self}")
 
     @property
@@ -475,7 +476,8 @@ class Engine:
         if committed is None:  # a prefill chunk before the prompt's last
             return None
         advice = min(session.speculation.next_advice(self.load), self.config.max_draft_tokens)
-        return RoundOutcome(committed.accepted_nodes, committed.token_ids, session.finish, len(session.generated), advice, timing)
+        num_generated = len(session.generated)
+        return RoundOutcome(committed.accepted_nodes, committed.token_ids, session.finish, num_generated, advice, timing)
 
     async def _reap_idle(self) -> None:
         period = min(30.0, self.config.idle_timeout_s / 2)

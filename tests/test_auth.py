@@ -190,7 +190,8 @@ def test_one_identity_cannot_touch_another_identitys_session(mtls_server, pki, t
         # Alice's session is bound to alice, not to her connection: a second connection may drive it.
         while True:
             edge = alice if len(tokens_so_far) % 2 else alice_again
-            reply = await edge.verify(sid, expected[len(tokens_so_far) : len(tokens_so_far) + 2], num_generated=len(tokens_so_far))
+            done = len(tokens_so_far)
+            reply = await edge.verify(sid, expected[done : done + 2], num_generated=done)
             tokens_so_far += reply.token_ids
             if reply.finish_reason != pb.FINISH_REASON_NONE:
                 break
@@ -204,7 +205,9 @@ def test_one_identity_cannot_touch_another_identitys_session(mtls_server, pki, t
     assert not mtls_server.server.engine.sessions
 
 
-def test_edge_client_over_mutual_tls_with_a_token_is_lossless(mtls_server, pki, tokens, fingerprint, tiny_target_dir, tiny_draft_dir):
+def test_edge_client_over_mutual_tls_with_a_token_is_lossless(
+    mtls_server, pki, tokens, fingerprint, tiny_target_dir, tiny_draft_dir
+):
     from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 
     expected = greedy_decode(AutoModelForCausalLM.from_pretrained(tiny_target_dir), PROMPT, 20, {2})

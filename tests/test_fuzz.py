@@ -351,7 +351,8 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
                 assert code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
 
         @rule(request=st.builds(
-            message(pb.HandshakeRequest), protocol_version=st.one_of(st.just(1), uint32), draft_tokenizer=fingerprints(valid_fp), client_name=texts,
+            message(pb.HandshakeRequest), protocol_version=st.one_of(st.just(1), uint32),
+            draft_tokenizer=fingerprints(valid_fp), client_name=texts,
         ), who=st.sampled_from(["fuzzer", "fuzzer", "none", "wrong"]))  # fmt: skip
         def handshake(self, request, who):
             code, _, _ = call("Handshake", stubs[who].Handshake, request)
