@@ -50,7 +50,7 @@ class FaultyRunner:
     """
 
     def __init__(self, runner, shape_bug: int, nan: int):
-        self.runner, self.kv = runner, runner.kv
+        self.runner, self.kv, self.move_kv = runner, runner.kv, runner.move_kv
         self.shape_bug, self.nan = shape_bug, nan
         self.batches: list[list[tuple[int, ...]]] = []  # token ids of each row of every forward attempted
         self.gate, self.entered = threading.Event(), threading.Event()
