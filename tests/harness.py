@@ -152,7 +152,7 @@ def wait_healthy(base_url: str, timeout_s: float = 60, process: subprocess.Popen
     while time.monotonic() < deadline and (process is None or process.poll() is None):
         try:
             reply = health(base_url)
-        except (urllib.error.URLError, ConnectionError) as exc:  # not listening yet
+        except (urllib.error.URLError, OSError) as exc:  # not listening yet, or too busy to answer in time
             reply = exc
         if isinstance(reply, tuple) and reply[0] == 200:
             return reply[1]
@@ -183,7 +183,7 @@ class ApiProcess:
         if self.process.poll() is None:
             self.process.send_signal(sig)
         try:
-            return self.process.wait(timeout=60)
+            return self.process.wait(timeout=180)  # a loaded CI machine shuts uvicorn and gRPC down slowly
         finally:
             self.process.kill()  # a no-op once it has exited
             self._reader.join(timeout=10)
