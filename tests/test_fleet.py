@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -365,10 +366,18 @@ def test_the_live_table_shows_the_fleet_and_quits_on_ctrl_c(broker, servers):
         [f"{BIN}/specedge-fleet", "--mqtt", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: table.stdout.read(1), "")), daemon=True)
+    reader.start()
     try:
-        time.sleep(3)
+        # Ctrl-C once the table shows every server (not after a fixed sleep: a loaded machine starts slowly).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(s.address in "".join(chunks) for s in servers.values()):
+            time.sleep(0.1)
         table.send_signal(signal.SIGINT)
-        out, err = table.communicate(timeout=30)
+        table.wait(timeout=60)
+        reader.join(timeout=10)
+        out, err = "".join(chunks), table.stderr.read()
     finally:
         table.kill()
     assert table.returncode == 0, err
