@@ -17,6 +17,7 @@ openai_service.py answers, openai_schema.py holds the shapes.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import sys
 from typing import TextIO
@@ -113,6 +114,14 @@ class EdgeAPIServer:
         await self.runtime.load_tokenizer()  # an unknown draft fails here, before the port is taken
         self._socket = _listen(self.config.host, self.config.port)  # a port in use: one OSError, not uvicorn's exit
         starting = asyncio.create_task(self._start())
+        interrupted = []
+        uvicorn_handler = self.http.handle_exit
+
+        def handle_exit(sig, frame) -> None:  # uvicorn installs this for SIGINT/SIGTERM while it serves
+            interrupted.append(sig)
+            uvicorn_handler(sig, frame)
+
+        self.http.handle_exit = handle_exit
         try:
             await self.http.serve(sockets=[self._socket])
         finally:
@@ -121,6 +130,10 @@ class EdgeAPIServer:
             self._socket.close()
         if self._fatal is not None:
             raise self._fatal
+        if signal.SIGINT in interrupted:
+            # uvicorn re-raises the signal after its graceful shutdown only on some paths;
+            # Ctrl-C always ends as the other modes do (one line, exit 130).
+            raise KeyboardInterrupt
 
     def stop(self) -> None:
         self.http.should_exit = True  # uvicorn polls it: safe from any thread
