@@ -15,7 +15,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import secrets
+import signal
 import sys
 
 from specedge.fleet import topics
@@ -166,6 +168,9 @@ async def live(broker: BrokerConfig) -> None:
     def down(reason: str) -> None:
         state["broker"] = f"unreachable: {reason}"
 
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, interrupted.set)
     with Live(render(view), refresh_per_second=2) as screen:
 
         async def redraw() -> None:
@@ -173,7 +178,22 @@ async def live(broker: BrokerConfig) -> None:
                 screen.update(render(view, f"on {broker.url} ({state['broker']})"))
                 await asyncio.sleep(0.5)
 
-        await run_together(stay_connected(broker, client_id(), session, what="specedge-fleet", on_down=down), redraw())
+        work = asyncio.ensure_future(
+            run_together(stay_connected(broker, client_id(), session, what="specedge-fleet", on_down=down), redraw())
+        )
+        ctrl_c = asyncio.ensure_future(interrupted.wait())
+        await asyncio.wait({work, ctrl_c}, return_when=asyncio.FIRST_COMPLETED)
+        ctrl_c.cancel()
+        if work.done():
+            work.result()
+            return
+        work.cancel()
+        # A broker disconnect that does not finish must not keep a Ctrl-C'd table on screen
+        # (seen on a loaded CI machine): give it a moment, then leave regardless.
+        await asyncio.wait({work}, timeout=3)
+    if not work.done():
+        sys.stdout.flush()
+        os._exit(0)
 
 
 async def _main(args: argparse.Namespace) -> int:
