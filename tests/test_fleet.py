@@ -362,9 +362,11 @@ def test_broker_password_and_tls(tmp_path, tiny_target_dir, tokenizer):
 
 
 def test_the_live_table_shows_the_fleet_and_quits_on_ctrl_c(broker, servers):
+    # rich draws a live table only on a terminal; TTY_COMPATIBLE/TTY_INTERACTIVE make it draw into the pipe
+    # too, so the test can see the servers appear (without them it only prints the last frame, at exit).
     table = subprocess.Popen(
         [f"{BIN}/specedge-fleet", "--mqtt", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"},
     )  # fmt: skip
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: table.stdout.read(1), "")), daemon=True)
