@@ -1,0 +1,278 @@
+"""specedge-chat, driven as a person would: real widgets (offscreen), a real server, tiny models.
+
+Each window gets its own data directory. Answers are compared with the
+server generating alone (EdgeRuntime server-only), decoded the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before Qt loads: no display needed
+
+import pytest  # noqa: E402
+from harness import ServerThread, free_port, tiny_server  # noqa: E402
+from PySide6.QtCore import Qt  # noqa: E402
+from PySide6.QtGui import QImage  # noqa: E402
+from PySide6.QtWidgets import QInputDialog, QMessageBox  # noqa: E402
+
+from specedge import registry  # noqa: E402
+from specedge.edge_client.client import EdgeConfig  # noqa: E402
+from specedge.edge_client.desktop import stats as figures  # noqa: E402
+from specedge.edge_client.desktop import worker as outcomes  # noqa: E402
+from specedge.edge_client.desktop.settings import ChatSettings  # noqa: E402
+from specedge.edge_client.desktop.store import DONE, INTERRUPTED, STOPPED, STREAMING, ChatStore  # noqa: E402
+from specedge.edge_client.desktop.window import DesktopConfig, MainWindow  # noqa: E402
+from specedge.edge_client.desktop.worker import State, WorkerConfig  # noqa: E402
+from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig  # noqa: E402
+from specedge.server.app import ServerConfig  # noqa: E402
+from specedge.server.engine import EngineConfig  # noqa: E402
+
+MAX_TOKENS = 32
+WAIT_MS = 60_000
+# Quick reactions for tests: the idle check and the reconnect backoff in fractions of a second.
+FAST = dict(watch_interval_s=0.3, retry_initial_s=0.3, retry_max_s=0.6)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target_dir):
+    with tiny_server(tiny_target_dir, max_context=512, max_sessions=4) as running:
+        yield running
+
+
+def open_window(qtbot, data_dir, address, draft, *, max_tokens=MAX_TOKENS, settings=True, **worker) -> MainWindow:
+    worker.setdefault("edge", EdgeConfig(slow_draft_fallback=False))  # tiny drafts are not slow, just tiny
+    chosen = ChatSettings(server=address, draft=str(draft), max_tokens=max_tokens) if settings else None
+    window = MainWindow(DesktopConfig(data_dir, WorkerConfig(**worker), chosen))
+    qtbot.addWidget(window)
+    window.show()
+    return window
+
+
+def wait_state(qtbot, window, state: State, timeout=WAIT_MS) -> None:
+    qtbot.waitUntil(lambda: window.state is state, timeout=timeout)
+
+
+def ask(qtbot, window, text: str) -> str:
+    """Type `text`, press Enter, wait for the answer to end; returns the outcome."""
+    qtbot.keyClicks(window.input, text)
+    with qtbot.waitSignal(window.answer_ended, timeout=WAIT_MS) as ended:
+        qtbot.keyClick(window.input, Qt.Key.Key_Return)
+    return ended.args[1]
+
+
+def server_only_text(address, draft, messages, max_tokens) -> str:
+    async def run():
+        runtime = EdgeRuntime(RuntimeConfig(address, str(draft), EdgeConfig(max_new_tokens=max_tokens), server_only=True))
+        await runtime.start()
+        try:
+            result = await runtime.generate(runtime.chat_prompt(messages))
+            eos = set(runtime.tokenizer.eos_token_ids)
+            return runtime.tokenizer.decode([t for t in result.token_ids if t not in eos])  # as --server-only --json
+        finally:
+            await runtime.close()
+
+    return asyncio.run(run())
+
+
+def test_streamed_answer_equals_server_only(qtbot, tmp_path, server, tiny_draft_dir):
+    window = open_window(qtbot, tmp_path, server.address, tiny_draft_dir)
+    wait_state(qtbot, window, State.CONNECTED)
+    assert window.connection.label.text().startswith("Connected: ")  # and the server's model name
+    deltas = []
+    window.worker.signals.delta.connect(lambda answer_id, text, live: deltas.append(text))
+
+    qtbot.keyClicks(window.input, "def add(a, b):")
+    qtbot.keyClick(window.input, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)  # a new line, not a send
+    assert window.store.messages(window.current) == []
+    outcome = ask(qtbot, window, "    return a + b")
+
+    assert outcome == outcomes.DONE
+    user, answer = window.store.messages(window.current)
+    assert user.content == "def add(a, b):\n    return a + b"
+    assert answer.status == DONE and answer.content
+    assert len(deltas) > 1  # streamed in pieces, not delivered at the end
+    expected = server_only_text(server.address, tiny_draft_dir, [{"role": "user", "content": user.content}], MAX_TOKENS)
+    assert answer.content == expected
+    assert answer.stats["draft_tokens"] > 0 and answer.stats["num_tokens"] > 0  # it did draft
+    assert window.stats.answer.values["tokens/s"].text() == f"{answer.stats['tokens_per_s']:.1f}"
+    assert window.input.toPlainText() == ""
+    assert window.store.title(window.current) == "def add(a, b):"  # a new chat is named after its first line
+
+    # Regenerate answers the same turn again: greedy, so the same text, and still one answer.
+    with qtbot.waitSignal(window.answer_ended, timeout=WAIT_MS):
+        qtbot.mouseClick(window.regenerate_button, Qt.MouseButton.LeftButton)
+    messages = window.store.messages(window.current)
+    assert [m.role for m in messages] == ["user", "assistant"] and messages[1].content == expected
+
+
+def test_stop_cancels_and_frees_the_server_slot(qtbot, tmp_path, server, tiny_draft_dir):
+    slow = EdgeConfig(simulated_rtt_ms=60, reconnect_timeout_s=2)  # an answer long enough to stop halfway
+    window = open_window(qtbot, tmp_path, server.address, tiny_draft_dir, max_tokens=400, edge=slow)
+    wait_state(qtbot, window, State.CONNECTED)
+    qtbot.keyClicks(window.input, "The quick brown fox")
+    qtbot.keyClick(window.input, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: window.answer is not None and len(window.answer.text) > 0, timeout=WAIT_MS)
+    assert server.server.engine.sessions  # the answer holds a slot while it runs
+    assert window.stop_button.isEnabled() and not window.send_button.isEnabled()
+
+    with qtbot.waitSignal(window.answer_ended, timeout=WAIT_MS) as ended:
+        qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
+    assert ended.args[1] == outcomes.STOPPED
+    engine = server.server.engine
+    qtbot.waitUntil(lambda: not engine.sessions and engine.slots.num_free == engine.slots.num_slots, timeout=10_000)
+    answer = window.store.messages(window.current)[-1]
+    assert answer.status == STOPPED and answer.content  # the partial answer is kept, marked
+    assert answer.stats["num_tokens"] < 400
+    assert "[stopped]" in window.transcript.toPlainText()
+    assert window.send_button.isEnabled()
+
+
+def test_offline_then_reconnect_and_partial_answers_kept(qtbot, tmp_path, tiny_target_dir, tiny_draft_dir):
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    window = open_window(qtbot, tmp_path, address, tiny_draft_dir, max_tokens=400,
+                         edge=EdgeConfig(reconnect_timeout_s=1.0, simulated_rtt_ms=60), **FAST)  # fmt: skip
+    wait_state(qtbot, window, State.OFFLINE)
+    assert "cannot reach the server" in window.connection.label.text()
+    assert window.connection.reconnect_button.isVisible() and not window.send_button.isEnabled()
+
+    def serve():
+        return ServerThread(ServerConfig(model=str(tiny_target_dir), port=port, max_context=512, engine=EngineConfig()))
+
+    first = serve().__enter__()
+    qtbot.mouseClick(window.connection.reconnect_button, Qt.MouseButton.LeftButton)  # now, not after the backoff
+    wait_state(qtbot, window, State.CONNECTED)
+    assert not window.connection.reconnect_button.isVisible()
+    qtbot.keyClicks(window.input, "The quick brown fox")
+    qtbot.keyClick(window.input, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: window.answer is not None and len(window.answer.text) > 0, timeout=WAIT_MS)
+    with qtbot.waitSignal(window.answer_ended, timeout=WAIT_MS) as ended:
+        first.__exit__(None, None, None)  # the server goes away mid-answer
+    assert ended.args[1] == outcomes.INTERRUPTED
+    answer = window.store.messages(window.current)[-1]
+    assert answer.status == INTERRUPTED and answer.content  # kept, and marked
+    assert "[interrupted]" in window.transcript.toPlainText()
+    assert window.error.isVisible() and "Traceback" not in window.error.text()
+    wait_state(qtbot, window, State.OFFLINE)
+
+    with serve():  # back on the same port: the backoff finds it by itself
+        wait_state(qtbot, window, State.CONNECTED)
+        # The chat goes on with the partial answer in its history, on the new server.
+        assert ask(qtbot, window, "print(i * i)") == outcomes.DONE
+        window.close()  # before the server goes, so that the idle check does not race the shutdown
+
+
+def test_conversations_persist_across_restart(qtbot, tmp_path, server, tiny_draft_dir, monkeypatch):
+    # The Rename and Delete dialogs answer as a user would.
+    monkeypatch.setattr(QInputDialog, "getText", lambda *args, **kwargs: ("adding", True))
+    monkeypatch.setattr(QMessageBox, "question", lambda *args, **kwargs: QMessageBox.StandardButton.Yes)
+    window = open_window(qtbot, tmp_path, server.address, tiny_draft_dir)
+    wait_state(qtbot, window, State.CONNECTED)
+    window.settings_panel.max_tokens.setValue(12)  # remembered from the next answer on
+    assert ask(qtbot, window, "def add(a, b):") == outcomes.DONE
+    first = window.current
+    qtbot.mouseClick(window.conversations.rename_button, Qt.MouseButton.LeftButton)
+    assert window.conversations.list.currentItem().text() == "adding"
+    qtbot.mouseClick(window.conversations.new_button, Qt.MouseButton.LeftButton)
+    assert window.current != first
+    assert ask(qtbot, window, "for i in range(10):") == outcomes.DONE
+    third = window.store.new_conversation("to delete")
+    saved = {cid: window.store.messages(cid) for cid in (first, window.current)}
+    window.close()
+
+    # A run that died mid-answer leaves a "streaming" row: the next start marks it interrupted.
+    store = ChatStore(tmp_path / "chat.sqlite3")
+    store.add_message(first, "user", "crash here")
+    crashed = store.add_message(first, "assistant", "half an ans", STREAMING)
+    store.close()
+
+    again = open_window(qtbot, tmp_path, server.address, tiny_draft_dir, settings=False)  # remembered settings
+    assert again.settings.server == server.address and again.settings.max_tokens == 12
+    assert again.settings_panel.max_tokens.value() == 12
+    titles = {info.id: info.title for info in again.store.conversations()}
+    assert titles[first] == "adding" and titles[third] == "to delete"
+    second = next(cid for cid in saved if cid != first)
+    assert again.store.messages(second) == saved[second]
+    assert again.store.messages(first)[: len(saved[first])] == saved[first]
+    assert again.store.messages(first)[-1].id == crashed and again.store.messages(first)[-1].status == INTERRUPTED
+    assert saved[first][1].stats["num_tokens"] <= 12
+    again.select(first)
+    assert "half an ans" in again.transcript.toPlainText() and "[interrupted]" in again.transcript.toPlainText()
+    assert again.stats.overall.values["tokens"].text() == str(sum(m[1].stats["num_tokens"] for m in saved.values()))
+    again.select(third)
+    qtbot.mouseClick(again.conversations.delete_button, Qt.MouseButton.LeftButton)
+    assert third not in again.conversations.ids() and len(again.conversations.ids()) == 2
+    assert again.store.messages(third) == [] and again.current in again.conversations.ids()
+
+
+def test_screenshot_of_a_finished_answer(qtbot, tmp_path, server, tiny_draft_dir):
+    window = open_window(qtbot, tmp_path, server.address, tiny_draft_dir)
+    wait_state(qtbot, window, State.CONNECTED)
+    assert ask(qtbot, window, "Speculative decoding drafts tokens on the edge") == outcomes.DONE
+    path = tmp_path / "desktop-chat.png"
+    assert window.grab().save(str(path))
+    if keep := os.environ.get("SPECEDGE_SCREENSHOT_DIR"):  # to look at it, or to refresh the one in docs/
+        window.grab().save(os.path.join(keep, "desktop-chat-tiny.png"))
+    image = QImage(str(path))
+    assert image.width() == window.width() and image.height() == window.height()
+    colors = {image.pixel(x, y) for x in range(0, image.width(), 7) for y in range(0, image.height(), 7)}
+    assert len(colors) > 20  # text, widgets and the chart: not a blank or single-colour frame
+
+
+def test_incompatible_draft_is_named(qtbot, tmp_path, server, tiny_foreign_dir):
+    window = open_window(qtbot, tmp_path, server.address, tiny_foreign_dir)
+    wait_state(qtbot, window, State.INCOMPATIBLE)
+    assert "vocab" in window.connection.label.text()
+    assert not window.send_button.isEnabled() and window.connection.reconnect_button.isVisible()
+
+
+def test_first_run_assembly_shows_progress(qtbot, tmp_path, server, tiny_draft_dir):
+    """The built-in assembly path (registry.assemble) with a small fake chunk set, slowed down to be seen."""
+    chunks = [bytes([n]) * 4096 for n in range(6)]
+    parts = tuple(registry.Part(f"fake-part{n}", "1.0", f"fake_part{n}", f"data/part{n:02d}.bin") for n in range(6))
+    spec = registry.BuiltinModel("fake-draft", "fake-draft.gguf", sum(map(len, chunks)),
+                                 hashlib.sha256(b"".join(chunks)).hexdigest(), parts)  # fmt: skip
+    files = {}
+    for part, data in zip(parts, chunks):
+        files[part] = tmp_path / f"{part.module}.bin"
+        files[part].write_bytes(data)
+
+    def open_part(part):
+        import time
+
+        time.sleep(0.25)  # a slow disk: the window must keep redrawing meanwhile
+        return open(files[part], "rb")
+
+    def resolver(name, on_progress):
+        path = registry.assemble(spec, tmp_path / "cache", open_part, on_progress)
+        assert path.read_bytes() == b"".join(chunks)
+        return registry.ResolvedModel(name, "hf", tiny_draft_dir)  # the assembled bytes are no model
+
+    window = open_window(qtbot, tmp_path, server.address, "fake-draft", resolver=resolver)
+    seen = []
+    qtbot.waitUntil(lambda: seen.append(window.progress.value()) or 0 < window.progress.value() < 1000, timeout=WAIT_MS)
+    assert window.progress.isVisible() and "fake-draft" in window.progress.text()
+    assert window.connection.state is State.PREPARING
+    wait_state(qtbot, window, State.CONNECTED)
+    assert not window.progress.isVisible()
+    assert (tmp_path / "cache" / "fake-draft.gguf").exists()
+
+
+def test_rate_series_and_overall_weighting():
+    assert figures.rate_series([(0.2, 3), (0.9, 5)], 1.0, num_points=2) == [0.0, 16.0]
+    assert figures.rate_series([], 1.0) == []
+    both = figures.overall([
+        {"num_tokens": 90, "elapsed_s": 1.0, "draft_tokens": 100, "accepted_tokens": 80},
+        {"num_tokens": 10, "elapsed_s": 9.0, "draft_tokens": 0, "accepted_tokens": 0, "fallback": "slow"},
+    ])  # fmt: skip
+    assert both["tokens_per_s"] == 10.0 and both["acceptance_rate"] == 0.8 and both["fallbacks"] == 1
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        ChatSettings(server="localhost")
+    with pytest.raises(ValueError, match="temperature"):
+        ChatSettings(temperature=-1)
