@@ -10,25 +10,23 @@ import asyncio
 import hashlib
 import os
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before Qt loads: no display needed
+import pytest
+from harness import ServerThread, free_port, tiny_server
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QImage
+from PySide6.QtWidgets import QInputDialog, QMessageBox
 
-import pytest  # noqa: E402
-from harness import ServerThread, free_port, tiny_server  # noqa: E402
-from PySide6.QtCore import Qt  # noqa: E402
-from PySide6.QtGui import QImage  # noqa: E402
-from PySide6.QtWidgets import QInputDialog, QMessageBox  # noqa: E402
-
-from specedge import registry  # noqa: E402
-from specedge.edge_client.client import EdgeConfig  # noqa: E402
-from specedge.edge_client.desktop import stats as figures  # noqa: E402
-from specedge.edge_client.desktop import worker as outcomes  # noqa: E402
-from specedge.edge_client.desktop.settings import ChatSettings  # noqa: E402
-from specedge.edge_client.desktop.store import DONE, INTERRUPTED, STOPPED, STREAMING, ChatStore  # noqa: E402
-from specedge.edge_client.desktop.window import DesktopConfig, MainWindow  # noqa: E402
-from specedge.edge_client.desktop.worker import State, WorkerConfig  # noqa: E402
-from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig  # noqa: E402
-from specedge.server.app import ServerConfig  # noqa: E402
-from specedge.server.engine import EngineConfig  # noqa: E402
+from specedge import registry
+from specedge.edge_client.client import EdgeConfig
+from specedge.edge_client.desktop import stats as figures
+from specedge.edge_client.desktop import worker as outcomes
+from specedge.edge_client.desktop.settings import ChatSettings
+from specedge.edge_client.desktop.store import DONE, INTERRUPTED, STOPPED, STREAMING, ChatStore
+from specedge.edge_client.desktop.window import DesktopConfig, MainWindow
+from specedge.edge_client.desktop.worker import State, WorkerConfig
+from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig
+from specedge.server.app import ServerConfig
+from specedge.server.engine import EngineConfig
 
 MAX_TOKENS = 32
 WAIT_MS = 60_000
@@ -276,3 +274,45 @@ def test_settings_are_validated():
         ChatSettings(server="localhost")
     with pytest.raises(ValueError, match="temperature"):
         ChatSettings(temperature=-1)
+
+
+REAL_PROMPT = "Write a short Python function that checks whether a number is prime."
+REAL_MAX_TOKENS = int(os.environ.get("SPECEDGE_SCREENSHOT_TOKENS", 64))  # more for the docs picture
+
+
+@pytest.mark.real_model
+def test_real_pair_answer_and_screenshot(qtbot, tmp_path):
+    """Qwen2.5-Coder 0.5B drafting in llama.cpp in the window, 1.5B verifying on a real server process."""
+    from harness import start_server_process
+
+    process, address = start_server_process("--model", "qwen2.5-coder-1.5b", "--max-sessions", "2")
+    try:
+        window = open_window(qtbot, tmp_path, address, "qwen2.5-coder-0.5b", max_tokens=REAL_MAX_TOKENS,
+                             edge=EdgeConfig())  # fmt: skip
+        wait_state(qtbot, window, State.CONNECTED, timeout=300_000)
+        assert "qwen" in window.connection.label.text().lower()
+        with qtbot.waitSignal(window.answer_ended, timeout=600_000) as ended:
+            qtbot.keyClicks(window.input, REAL_PROMPT)
+            qtbot.keyClick(window.input, Qt.Key.Key_Return)
+        assert ended.args[1] == outcomes.DONE
+        answer = window.store.messages(window.current)[-1]
+        assert answer.stats["draft_tokens"] > 0 and answer.stats["acceptance_rate"] > 0.3
+        if keep := os.environ.get("SPECEDGE_SCREENSHOT_DIR"):  # docs/desktop-chat.png comes from here
+            window.grab().save(os.path.join(keep, "desktop-chat.png"))
+        window.close()
+        expected = server_only_text(address, "qwen2.5-coder-0.5b", [{"role": "user", "content": REAL_PROMPT}],
+                                    REAL_MAX_TOKENS)  # fmt: skip
+        assert answer.content == expected
+    finally:
+        process.send_signal(2)
+        process.wait(timeout=30)
+
+
+
+def test_command_line_help():
+    import subprocess
+    import sys
+
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "specedge-chat"), "--help"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and "--server" in done.stdout and "--data-dir" in done.stdout

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import signal
 import sys
 
 import platformdirs
@@ -39,10 +40,27 @@ def _plain_words_for_unexpected_errors(app) -> None:
     from PySide6.QtWidgets import QMessageBox
 
     def hook(kind, value, tb):
+        if issubclass(kind, KeyboardInterrupt):
+            app.quit()
+            return
         logging.getLogger("specedge.chat").error("unexpected error", exc_info=(kind, value, tb))
         QMessageBox.warning(app.activeWindow(), "SpecEdge Chat", f"Something went wrong: {kind.__name__}: {value}")
 
     sys.excepthook = hook
+
+
+def _quit_on_ctrl_c(app, window) -> None:
+    """Ctrl-C in the terminal closes the window as its close button would (answers kept, slots freed).
+
+    Python runs signal handlers only between bytecodes, and Qt's event loop is
+    C++, so a timer hands control back to Python a few times a second.
+    """
+    from PySide6.QtCore import QTimer
+
+    signal.signal(signal.SIGINT, lambda *_: window.close())
+    tick = QTimer(app, interval=250)
+    tick.timeout.connect(lambda: None)
+    tick.start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specedge-chat: {exc}", file=sys.stderr)
         return 1
     window.show()
+    _quit_on_ctrl_c(app, window)
     return app.exec()
 
 

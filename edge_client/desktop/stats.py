@@ -99,6 +99,11 @@ def describe(figures: dict) -> list[tuple[str, str]]:
     if "fallbacks" in figures:
         rows.append(("fell back to server-only", f"{figures['fallbacks']} of {figures['answers']} answers"))
     else:
-        rows.append(("drafting", f"fell back to server-only: {figures['fallback']}" if figures.get("fallback")
-                     else ("speculative" if figures.get("draft_tokens") else "server only")))  # fmt: skip
+        if "num_tokens" not in figures:
+            drafting = "-"  # no answer yet
+        elif figures.get("fallback"):
+            drafting = f"fell back to server-only: {figures['fallback']}"
+        else:
+            drafting = "speculative" if figures.get("draft_tokens") else "server only"
+        rows.append(("drafting", drafting))
     return rows

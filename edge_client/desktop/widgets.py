@@ -185,7 +185,7 @@ class Sparkline(QWidget):
         peak = max(self.values, default=0.0)
         painter.setPen(QColor("#6b7280"))
         painter.drawText(self.rect().adjusted(4, 0, -4, 0), Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft,
-                         f"tokens/s, peak {peak:.0f}" if peak else "tokens/s")  # fmt: skip
+                         f"tokens/s, peak {peak:.3g}" if peak else "tokens/s")  # fmt: skip
         if len(self.values) < 2 or peak <= 0:
             return
         step = rect.width() / (len(self.values) - 1)

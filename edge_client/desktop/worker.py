@@ -27,7 +27,7 @@ from PySide6.QtCore import QObject, Signal
 from specedge.edge_client.client import ConnectionLost, EdgeConfig, EdgeError
 from specedge.edge_client.desktop import stats as figures
 from specedge.edge_client.desktop.settings import ChatSettings
-from specedge.edge_client.generation import Conversation, GenerationStats
+from specedge.edge_client.results import Conversation, GenerationStats
 from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig
 from specedge.edge_client.text import IncrementalText
 from specedge.registry import RegistryError, resolve
@@ -124,8 +124,7 @@ class EdgeWorker:
     def _start_connection(self, settings: ChatSettings) -> None:
         self._settings = settings
         self._retry_now, self._lost = asyncio.Event(), asyncio.Event()
-        previous, self._connection = self._connection, None
-        self._connection = self._loop.create_task(self._connect(settings, previous))
+        self._connection = self._loop.create_task(self._connect(settings, previous=self._connection))
 
     def _reconnect_now(self) -> None:
         if self._connection is None or self._connection.done():
@@ -197,7 +196,7 @@ class EdgeWorker:
                 else:
                     await runtime.client.connect()
             except ConnectionLost as exc:
-                self._emit_state(State.OFFLINE, f"{exc} Retrying in {backoff:.0f} s.")
+                self._emit_state(State.OFFLINE, f"{exc} Retrying in {backoff:g} s.")
                 await self._wait_for_retry(backoff)
                 backoff = min(backoff * 2, self.config.retry_max_s)
                 continue
