@@ -61,6 +61,24 @@ def ask(qtbot, window, text: str) -> str:
     return ended.args[1]
 
 
+class Heartbeat:
+    """Ticks of a 20 ms timer on the UI thread: a long gap between two means the window froze."""
+
+    def __init__(self):
+        import time
+
+        from PySide6.QtCore import QTimer
+
+        self.ticks = [time.monotonic()]
+        self.timer = QTimer(interval=20)
+        self.timer.timeout.connect(lambda: self.ticks.append(time.monotonic()))
+        self.timer.start()
+
+    def longest_gap_s(self) -> float:
+        self.timer.stop()
+        return max(b - a for a, b in zip(self.ticks, self.ticks[1:]))
+
+
 def server_only_text(address, draft, messages, max_tokens) -> str:
     async def run():
         runtime = EdgeRuntime(RuntimeConfig(address, str(draft), EdgeConfig(max_new_tokens=max_tokens), server_only=True))
@@ -111,8 +129,11 @@ def test_stop_cancels_and_frees_the_server_slot(qtbot, tmp_path, server, tiny_dr
     window = open_window(qtbot, tmp_path, server.address, tiny_draft_dir, max_tokens=400, edge=slow)
     wait_state(qtbot, window, State.CONNECTED)
     qtbot.keyClicks(window.input, "The quick brown fox")
+    heartbeat = Heartbeat()
     qtbot.keyClick(window.input, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: window.answer is not None and len(window.answer.text) > 0, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: window.answer is not None and bool(window.answer.text)
+                    and window.answer.live["draft_tokens"] > 40, timeout=WAIT_MS)  # fmt: skip
+    assert heartbeat.longest_gap_s() < 0.5  # the window kept redrawing while the edge drafted and waited
     assert server.server.engine.sessions  # the answer holds a slot while it runs
     assert window.stop_button.isEnabled() and not window.send_button.isEnabled()
 
@@ -250,11 +271,12 @@ def test_first_run_assembly_shows_progress(qtbot, tmp_path, server, tiny_draft_d
         return registry.ResolvedModel(name, "hf", tiny_draft_dir)  # the assembled bytes are no model
 
     window = open_window(qtbot, tmp_path, server.address, "fake-draft", resolver=resolver)
-    seen = []
-    qtbot.waitUntil(lambda: seen.append(window.progress.value()) or 0 < window.progress.value() < 1000, timeout=WAIT_MS)
+    heartbeat = Heartbeat()
+    qtbot.waitUntil(lambda: 0 < window.progress.value() < 1000, timeout=WAIT_MS)
     assert window.progress.isVisible() and "fake-draft" in window.progress.text()
     assert window.connection.state is State.PREPARING
     wait_state(qtbot, window, State.CONNECTED)
+    assert heartbeat.longest_gap_s() < 0.5  # the window never froze while the parts were read
     assert not window.progress.isVisible()
     assert (tmp_path / "cache" / "fake-draft.gguf").exists()
 
