@@ -331,6 +331,42 @@ def test_real_pair_answer_and_screenshot(qtbot, tmp_path):
 
 
 
+SIGNAL_STORM = """
+import sys, threading
+from PySide6.QtCore import QCoreApplication, QObject, Signal
+app = QCoreApplication([])
+class Source(QObject):
+    changed = Signal(int, str, object)
+class Sink:
+    count = 0
+    def take(self, *args):
+        self.count += 1
+source, sink = Source(), Sink()
+source.changed.connect(sink.take)
+before = sys.getrefcount(None), sys.getrefcount(True)
+emit = lambda: [source.changed.emit(1, "piece", {"fallback": None}) for _ in range(20000)]
+emit()  # on this thread: delivered at once
+worker = threading.Thread(target=emit)  # from another thread, as the edge worker does: queued
+worker.start()
+while sink.count < 40000:
+    app.processEvents()
+worker.join()
+after = sys.getrefcount(None), sys.getrefcount(True)
+print(after[0] - before[0], after[1] - before[1])
+"""
+
+
+def test_qt_binding_keeps_reference_counts():
+    """Some PySide6 releases (6.12.0) drop a reference on every signal delivered: a long chat then crashes."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SIGNAL_STORM], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"this PySide6 corrupts reference counts when signals are delivered: {done.stderr[-300:]}"
+    none_drift, true_drift = map(int, done.stdout.split())
+    assert abs(none_drift) < 100 and abs(true_drift) < 100  # 40000 deliveries: any leak would show in thousands
+
+
 def test_command_line_help():
     import subprocess
     import sys
