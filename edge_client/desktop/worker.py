@@ -200,8 +200,9 @@ class EdgeWorker:
                 await self._wait_for_retry(backoff)
                 backoff = min(backoff * 2, self.config.retry_max_s)
                 continue
-            except EdgeError as exc:
-                self._emit_state(State.INCOMPATIBLE, str(exc))
+            except EdgeError as exc:  # the server answered no: wait for Reconnect (or new settings)
+                refused_draft = exc.status in (None, "FAILED_PRECONDITION")  # tokenizers differ
+                self._emit_state(State.INCOMPATIBLE if refused_draft else State.ERROR, str(exc))
                 await self._wait_for_retry(None)
                 continue
             backoff = self.config.retry_initial_s
