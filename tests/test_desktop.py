@@ -200,7 +200,13 @@ def test_conversations_persist_across_restart(qtbot, tmp_path, server, tiny_draf
     assert ask(qtbot, window, "for i in range(10):") == outcomes.DONE
     third = window.store.new_conversation("to delete")
     saved = {cid: window.store.messages(cid) for cid in (first, window.current)}
+    import threading
+
+    late = threading.Thread(target=window.worker.signals.state.emit, args=("offline", "late news"))
+    late.start()
+    late.join()  # queued for the window, not yet delivered
     window.close()
+    qtbot.wait(50)  # delivered now, to a closed window: ignored, not an exception
 
     # A run that died mid-answer leaves a "streaming" row: the next start marks it interrupted.
     store = ChatStore(tmp_path / "chat.sqlite3")

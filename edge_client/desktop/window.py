@@ -209,6 +209,8 @@ class MainWindow(QMainWindow):
     # -- from the worker ---------------------------------------------------
 
     def _on_state(self, state: str, detail: str) -> None:
+        if self.store is None:
+            return  # queued before the window closed
         self.state = State(state)
         self.connection.show_state(self.state, detail)
         if self.state is not State.PREPARING:
@@ -216,11 +218,15 @@ class MainWindow(QMainWindow):
         self._update_buttons()
 
     def _on_progress(self, what: str, done: int, total: int) -> None:
+        if self.store is None:
+            return  # queued before the window closed
         self.progress.setFormat(f"Assembling the draft model {what}: %p%")
         self.progress.setValue(int(1000 * done / total) if total else 1000)
         self.progress.setVisible(done < total)
 
     def _on_delta(self, answer_id: int, text: str, live: dict) -> None:
+        if self.store is None:
+            return  # queued before the window closed
         if self.answer is None or self.answer.id != answer_id:
             return
         self.answer.text += text
@@ -231,7 +237,7 @@ class MainWindow(QMainWindow):
 
     def _flush(self) -> None:
         answer = self.answer
-        if answer is None:
+        if answer is None or self.store is None:
             return
         self.store.write_answer(answer.id, answer.text, STREAMING)
         if answer.conversation_id == self.current:
@@ -243,6 +249,8 @@ class MainWindow(QMainWindow):
         self.stats.chart.set_values(figures.rate_series(samples, live.get("elapsed_s", 0.0)))
 
     def _on_finished(self, answer_id: int, outcome: str, data: dict | None, message: str, text: str) -> None:
+        if self.store is None:
+            return  # queued before the window closed
         answer = self.answer
         if message:
             self.error.say(message)
