@@ -5,12 +5,17 @@ last fraction of a second of a streaming answer. A message is written when it
 starts (an empty assistant row with status "streaming") and updated as it
 grows; rows still "streaming" when the app opens again belong to a run that
 died, and are marked "interrupted" rather than dropped.
+
+The file holds the user's conversations and the server's access token
+(settings.py), so it is readable by its owner only (mode 0600; SQLite gives
+its -wal and -shm files the same mode).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import sqlite3
 import time
@@ -65,7 +70,8 @@ class ChatStore:
     def __init__(self, path: pathlib.Path):
         self.path = pathlib.Path(path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _owner_only(self.path)
             self._db = sqlite3.connect(self.path, isolation_level=None)  # autocommit: every write is durable
             self._db.execute("PRAGMA journal_mode=WAL")
             # WAL + NORMAL: a commit survives the app crashing (only a power cut may lose the
@@ -164,3 +170,11 @@ class ChatStore:
 def history(messages: list[Message]) -> list[dict[str, str]]:
     """The chat messages a prompt is built from: every non-empty message, partial answers as they were kept."""
     return [{"role": m.role, "content": m.content} for m in messages if m.content and m.status != STREAMING]
+
+
+def _owner_only(path: pathlib.Path) -> None:
+    """Create `path` readable by its owner only, or make it so (a file from before tokens were kept)."""
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if name.exists():
+            os.chmod(name, 0o600)
