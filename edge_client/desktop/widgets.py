@@ -132,11 +132,12 @@ class ConversationList(QWidget):
 
 STATE_COLORS = {
     State.PREPARING: "#9a6700", State.CONNECTING: "#9a6700", State.CONNECTED: "#1a7f37",
-    State.INCOMPATIBLE: "#b00020", State.OFFLINE: "#b00020", State.ERROR: "#b00020",
+    State.INCOMPATIBLE: "#b00020", State.REFUSED: "#b00020", State.OFFLINE: "#b00020", State.ERROR: "#b00020",
 }  # fmt: skip
 STATE_WORDS = {
     State.PREPARING: "Preparing", State.CONNECTING: "Connecting", State.CONNECTED: "Connected",
-    State.INCOMPATIBLE: "Incompatible draft", State.OFFLINE: "Offline", State.ERROR: "Cannot start",
+    State.INCOMPATIBLE: "Incompatible draft", State.REFUSED: "Refused", State.OFFLINE: "Offline",
+    State.ERROR: "Cannot start",
 }  # fmt: skip
 
 
@@ -162,7 +163,7 @@ class ConnectionBar(QWidget):
         self.state = state
         self.dot.setStyleSheet(f"color: {STATE_COLORS[state]}")
         self.label.setText(f"{STATE_WORDS[state]}: {detail}" if detail else STATE_WORDS[state])
-        self.reconnect_button.setVisible(state in (State.OFFLINE, State.INCOMPATIBLE, State.ERROR))
+        self.reconnect_button.setVisible(state in (State.OFFLINE, State.INCOMPATIBLE, State.REFUSED, State.ERROR))
 
 
 class Sparkline(QWidget):

@@ -17,7 +17,8 @@ from PySide6.QtWidgets import QMainWindow, QProgressBar, QSplitter, QVBoxLayout,
 
 from specedge.edge_client.desktop import stats as figures
 from specedge.edge_client.desktop import worker as outcomes
-from specedge.edge_client.desktop.settings import ChatSettings, SettingsPanel, load_settings, save_settings
+from specedge.edge_client.desktop.settings import ChatSettings, load_settings, save_settings
+from specedge.edge_client.desktop.settings_panel import SettingsPanel
 from specedge.edge_client.desktop.store import DEFAULT_TITLE, DONE, INTERRUPTED, STOPPED, STREAMING, ChatStore, history
 from specedge.edge_client.desktop.transcript import Transcript
 from specedge.edge_client.desktop.widgets import Composer, ConnectionBar, ConversationList, ErrorBanner, StatsPanel

@@ -9,7 +9,8 @@ The connection is one long-running task:
 
     prepare the draft model (a built-in is assembled once, with progress) and its tokenizer
     loop: connect -> (first time) load the drafter -> connected -> watch until the server is lost
-          offline: retry with backoff (Reconnect retries at once); incompatible: wait for Reconnect
+          offline: retry with backoff (Reconnect retries at once)
+          incompatible or refused (token, TLS): wait for Reconnect or new settings
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from collections.abc import Callable
 from PySide6.QtCore import QObject, Signal
 
 from specedge.edge_client.client import ConnectionLost, EdgeConfig, EdgeError
+from specedge.edge_client.desktop import connection_words as words
 from specedge.edge_client.desktop import stats as figures
 from specedge.edge_client.desktop.settings import ChatSettings
 from specedge.edge_client.results import Conversation, GenerationStats
-from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig
+from specedge.edge_client.runtime import EdgeRuntime
 from specedge.edge_client.text import IncrementalText
+from specedge.fleet.broker import FleetError
 from specedge.registry import RegistryError, resolve
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class State(str, enum.Enum):
     CONNECTING = "connecting"
     CONNECTED = "connected"
     INCOMPATIBLE = "incompatible"  # the handshake refused the draft model
+    REFUSED = "refused"  # the server refused us: the access token, or the TLS settings
     OFFLINE = "offline"  # the server cannot be reached; retrying
     ERROR = "error"  # the settings cannot work (unknown model, unreadable file)
 
@@ -153,10 +157,10 @@ class EdgeWorker:
         await self._drop_runtime()
         try:
             runtime = await self._prepare(settings)
-            await self._stay_connected(runtime)
+            await self._stay_connected(runtime, settings)
         except asyncio.CancelledError:
             raise
-        except (RegistryError, EdgeError, ValueError, OSError) as exc:
+        except (RegistryError, EdgeError, FleetError, ValueError, OSError) as exc:
             self._emit_state(State.ERROR, str(exc))
         except Exception as exc:  # whatever it was, the window says so in one line, and the log keeps the rest
             log.exception("edge runtime failed")
@@ -174,35 +178,33 @@ class EdgeWorker:
                 self.signals.progress.emit(settings.draft, done, total)
 
         resolved = await asyncio.to_thread(self.config.resolver, settings.draft, on_progress=on_progress)
-        runtime = EdgeRuntime(RuntimeConfig(
-            server=settings.server,
-            draft=str(resolved.path),  # resolved once here; a path resolves to itself in the runtime
-            edge=settings.edge_config(self.config.edge),
-            server_only=settings.server_only,
-            threads=self.config.threads,
-        ))  # fmt: skip
+        # The draft is resolved once, here; a path resolves to itself in the runtime.
+        runtime = EdgeRuntime(settings.runtime_config(str(resolved.path), self.config.edge, self.config.threads))
         self._runtime = runtime
         await runtime.load_tokenizer()
         return runtime
 
-    async def _stay_connected(self, runtime: EdgeRuntime) -> None:
+    async def _stay_connected(self, runtime: EdgeRuntime, settings: ChatSettings) -> None:
         backoff = self.config.retry_initial_s
         drafters_loaded = False
         while True:
-            self._emit_state(State.CONNECTING, f"connecting to {runtime.config.server}")
+            self._emit_state(State.CONNECTING, words.connecting(settings))
             try:
                 if runtime.client is None:
                     await runtime.connect(retry_for_s=0.0)  # one attempt; the backoff is ours
                 else:
                     await runtime.client.connect()
-            except ConnectionLost as exc:
-                self._emit_state(State.OFFLINE, f"{exc} Retrying in {backoff:g} s.")
-                await self._wait_for_retry(backoff)
-                backoff = min(backoff * 2, self.config.retry_max_s)
-                continue
-            except EdgeError as exc:  # the server answered no: wait for Reconnect (or new settings)
-                refused_draft = exc.status in (None, "FAILED_PRECONDITION")  # tokenizers differ
-                self._emit_state(State.INCOMPATIBLE if refused_draft else State.ERROR, str(exc))
+            except EdgeError as exc:
+                refused = words.refusal(exc, settings)  # the token or TLS settings: for the user to fix
+                if isinstance(exc, ConnectionLost) and refused is None:  # not there (yet)
+                    self._emit_state(State.OFFLINE, f"{exc} Retrying in {backoff:g} s.")
+                    await self._wait_for_retry(backoff)
+                    backoff = min(backoff * 2, self.config.retry_max_s)
+                    continue
+                # The server answered no: wait for Reconnect (or new settings).
+                incompatible = exc.status in (None, "FAILED_PRECONDITION")  # tokenizers differ
+                state = State.REFUSED if refused else State.INCOMPATIBLE if incompatible else State.ERROR
+                self._emit_state(state, refused or str(exc))
                 await self._wait_for_retry(None)
                 continue
             backoff = self.config.retry_initial_s
@@ -211,10 +213,7 @@ class EdgeWorker:
                     self._emit_state(State.PREPARING, "loading the draft model")
                 await runtime.load_drafters()
                 drafters_loaded = True
-            detail = runtime.model_name
-            if runtime.draft_unavailable:
-                detail += f" (server-only: {runtime.draft_unavailable})"
-            self._emit_state(State.CONNECTED, detail)
+            self._emit_state(State.CONNECTED, words.connected(runtime))
             await self._watch(runtime)
             self._conversation = None  # its server session went with the server
 
@@ -226,19 +225,23 @@ class EdgeWorker:
             pass
 
     async def _watch(self, runtime: EdgeRuntime) -> None:
-        """Return once the server is gone: an answer lost it, or an idle check found it unreachable."""
+        """Return once the server is gone or refuses us: an answer lost it, or an idle check found out."""
         self._lost.clear()
+        shown = runtime.client.address
         while True:
             try:
                 await asyncio.wait_for(self._lost.wait(), self.config.watch_interval_s)
                 return
             except asyncio.TimeoutError:
                 pass
+            if runtime.client.address != shown:  # the fleet moved an answer to another server
+                shown = runtime.client.address
+                self._emit_state(State.CONNECTED, words.connected(runtime))
             if self._answer is not None and not self._answer.done():
                 continue  # a running answer notices a lost server by itself (and resumes if it can)
             try:
                 await runtime.client.handshake()
-            except ConnectionLost:
+            except EdgeError:  # gone, or refusing us now (a revoked token): the next connect says which
                 return
 
     def _start_answer(self, answer_id: int, conversation_id: int, messages: list[dict], config: EdgeConfig) -> None:
@@ -280,7 +283,7 @@ class EdgeWorker:
             end(INTERRUPTED, f"The server went away mid-answer: {exc}")
             self._lost.set()
         except EdgeError as exc:
-            end(INTERRUPTED if tokens else FAILED, str(exc))
+            end(INTERRUPTED if tokens else FAILED, words.refusal(exc, self._settings) or str(exc))
         except Exception as exc:  # one line in the window; the traceback goes to the log only
             log.exception("answer %d failed", answer_id)
             end(INTERRUPTED if tokens else FAILED, f"The answer failed ({type(exc).__name__}: {exc})")
