@@ -29,7 +29,7 @@ class ChannelSecurity:
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("a client certificate needs its key: give both --tls-cert and --tls-key, or neither")
+            raise ValueError("a client certificate needs its key, and a key its certificate: give both, or neither")
         if self.tls_cert is not None and not self.uses_tls:
             raise ValueError("a client certificate is for TLS: give --tls-ca (or --tls) too")
 
