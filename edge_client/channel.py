@@ -1,7 +1,7 @@
 """The edge's gRPC channel: plaintext, TLS, or mutual TLS, with an optional bearer token.
 
 The token rides as `authorization: Bearer TOKEN` call credentials, which gRPC
-sends only over a secure transport: TLS (`tls_ca` given), or, for a plaintext
+sends only over a secure transport: TLS (`tls`, or `tls_ca` given), or, for a plaintext
 server on this machine (loopback, e.g. through an SSH tunnel), gRPC's local
 credentials, which refuse any address that is not loopback. A token never
 crosses a network in the clear.
@@ -23,14 +23,19 @@ TOKEN_ENV = "SPECEDGE_TOKEN"
 class ChannelSecurity:
     token: str | None = None  # bearer token from `specedge-server make-token`
     tls_ca: str | None = None  # PEM file of the CA that signed the server's certificate; given: TLS
+    tls: bool = False  # TLS even without tls_ca: the server's certificate is checked against the system's CAs
     tls_cert: str | None = None  # PEM client certificate, for servers that require mutual TLS
     tls_key: str | None = None  # PEM private key of tls_cert
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("a client certificate needs its key: give both --tls-cert and --tls-key, or neither")
-        if self.tls_cert is not None and self.tls_ca is None:
-            raise ValueError("a client certificate is for TLS: give --tls-ca too")
+            raise ValueError("a client certificate needs its key, and a key its certificate: give both, or neither")
+        if self.tls_cert is not None and not self.uses_tls:
+            raise ValueError("a client certificate is for TLS: give --tls-ca (or --tls) too")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or self.tls_ca is not None
 
     @classmethod
     def from_env(cls, token: str | None = None, **tls) -> ChannelSecurity:
@@ -41,11 +46,11 @@ class ChannelSecurity:
 def open_channel(address: str, security: ChannelSecurity = ChannelSecurity()) -> grpc.aio.Channel:
     """A channel on its own TCP connection (the server binds tokenless sessions to the connection)."""
     options = [("grpc.use_local_subchannel_pool", 1)]
-    if security.tls_ca is None and security.token is None:
+    if not security.uses_tls and security.token is None:
         return grpc.aio.insecure_channel(address, options=options)
-    if security.tls_ca is not None:
+    if security.uses_tls:
         transport = grpc.ssl_channel_credentials(
-            root_certificates=_read(security.tls_ca),
+            root_certificates=_read(security.tls_ca) if security.tls_ca else None,  # None: the system's CAs
             private_key=_read(security.tls_key) if security.tls_key else None,
             certificate_chain=_read(security.tls_cert) if security.tls_cert else None,
         )
@@ -53,7 +58,7 @@ def open_channel(address: str, security: ChannelSecurity = ChannelSecurity()) ->
         transport = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
     else:
         raise ValueError(
-            f"refusing to send a token in plaintext to {address}: give --tls-ca for a TLS server "
+            f"refusing to send a token in plaintext to {address}: give --tls-ca (or --tls) for a TLS server "
             "(or reach a plaintext server through a loopback address, e.g. an SSH tunnel)"
         )
     if security.token is not None:

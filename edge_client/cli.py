@@ -55,6 +55,7 @@ def add_edge_options(parser: argparse.ArgumentParser) -> None:
     security = parser.add_argument_group("security (see SECURITY.md)")
     security.add_argument("--token", default=None, help="bearer token from the server's operator (or $SPECEDGE_TOKEN)")
     security.add_argument("--tls-ca", default=None, help="PEM CA that signed the server's certificate: connect with TLS")
+    security.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs (no --tls-ca)")
     security.add_argument("--tls-cert", default=None, help="PEM client certificate, for servers requiring mutual TLS")
     security.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
 
@@ -115,7 +116,9 @@ def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
         server_only=args.server_only,
         threads=args.threads,
         num_drafters=getattr(args, "parallel", 1),
-        security=ChannelSecurity.from_env(args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key),
+        security=ChannelSecurity.from_env(
+            args.token, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
+        ),
     )
 
 

@@ -390,11 +390,13 @@ class EdgeClient:
         *,
         conversation=None,
         config: EdgeConfig | None = None,
+        stats=None,
     ):
         """Speculative generation with `drafter`, or server-only when it is None; see generation.py.
 
-        `config` overrides the client's for this answer (e.g. a request's temperature).
+        `config` overrides the client's for this answer (e.g. a request's temperature). `stats`, a
+        GenerationStats, is filled in as the answer goes, for a caller that shows live figures.
         """
         from specedge.edge_client.generation import Generation
 
-        return await Generation(self, prompt, drafter, on_tokens, conversation, config or self.config).run()
+        return await Generation(self, prompt, drafter, on_tokens, conversation, config or self.config, stats).run()

@@ -49,6 +49,7 @@ class Generation:
         on_tokens: TokenCallback,
         conversation: Conversation | None,
         config: EdgeConfig,
+        stats: GenerationStats | None = None,
     ):
         self.client, self.config = client, config
         self.prompt = list(prompt)
@@ -57,7 +58,7 @@ class Generation:
         self.conversation = conversation
         self.tokens: list[int] = []  # committed in this answer
         self.finish = FinishReason.NONE
-        self.stats = GenerationStats()
+        self.stats = stats if stats is not None else GenerationStats()  # a caller's: read live while streaming
         self.session_id: str | None = None
         self._session_base = 0  # answer tokens that were the current session's prompt (after a resume)
         self._advised = 0

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from specedge.edge_client.channel import ChannelSecurity
 from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, TokenCallback
-from specedge.edge_client.generation import Conversation, GenerationResult
+from specedge.edge_client.generation import Conversation, GenerationResult, GenerationStats
 
 if TYPE_CHECKING:
     from specedge.fleet.discovery import DiscoveryConfig, FleetRouter
@@ -158,18 +158,19 @@ class EdgeRuntime:
         *,
         conversation: Conversation | None = None,
         config: EdgeConfig | None = None,
+        stats: GenerationStats | None = None,
     ) -> GenerationResult:
+        """One answer; `stats`, when given, is filled in as it goes (live figures for a UI)."""
+        options = dict(conversation=conversation, config=config, stats=stats)
         await self.client.ensure_connected()  # the server was left (draining, offline): start elsewhere
         if not self._all_drafters:
-            result = await self.client.generate(prompt, None, on_tokens, conversation=conversation, config=config)
+            result = await self.client.generate(prompt, None, on_tokens, **options)
             if self.draft_unavailable and not self.config.server_only:
                 result.stats.fallback = self.draft_unavailable
         else:
             drafter = await self._drafters.get()
             try:
-                result = await self.client.generate(
-                    prompt, drafter, on_tokens, conversation=conversation, config=config
-                )
+                result = await self.client.generate(prompt, drafter, on_tokens, **options)
             finally:
                 self._drafters.put_nowait(drafter)
         if self.router is not None:

@@ -8,6 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # the desktop app's tests: real widgets, no display
 
 from tiny_models import save_tiny_model  # noqa: E402  (tests/ is on pythonpath, see pyproject.toml)
 

@@ -71,6 +71,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def make_pki(folder) -> dict[str, str]:
+    """PEM files made with trustme: the server's CA and certificate (localhost, 127.0.0.1), the edges' CA and
+    one edge's certificate, and a rogue CA's edge certificate. Keys: server_ca, client_ca, rogue_ca, and
+    {server,client,rogue}_{cert,key}."""
+    import trustme
+
+    server_ca, client_ca, rogue_ca = trustme.CA(), trustme.CA(), trustme.CA()
+    leaves = {
+        "server": server_ca.issue_cert("localhost", "127.0.0.1"),
+        "client": client_ca.issue_cert("edge-alice"),
+        "rogue": rogue_ca.issue_cert("edge-alice"),
+    }
+    files = {}
+    for name, ca in [("server_ca", server_ca), ("client_ca", client_ca), ("rogue_ca", rogue_ca)]:
+        files[name] = str(folder / f"{name}.pem")
+        ca.cert_pem.write_to_path(files[name])
+    for name, leaf in leaves.items():
+        files[f"{name}_cert"], files[f"{name}_key"] = str(folder / f"{name}.crt"), str(folder / f"{name}.key")
+        with open(files[f"{name}_cert"], "wb") as chain:
+            chain.write(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+        leaf.private_key_pem.write_to_path(files[f"{name}_key"])
+    return files
+
+
 def start_server_process(
     *args: str,
     timeout_s: float = 600,

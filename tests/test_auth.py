@@ -1,6 +1,6 @@
 """Identity and transport: tokens on every call, sessions bound to identities, TLS and mutual TLS.
 
-Certificates are made here (trustme); servers run on loopback sockets.
+Certificates are made with trustme (harness.make_pki); servers run on loopback sockets.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import time
 
 import grpc
 import pytest
-import trustme
 from transformers import AutoModelForCausalLM
 
-from harness import ServerThread, start_server_process
+from harness import ServerThread, make_pki, start_server_process
 from raw_edge import PROMPT, Edge, status_of
 from reference import greedy_decode
 from specedge import wire
@@ -45,23 +44,7 @@ def write_atomically(path, text: str) -> None:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, str]:
     """PEM files: the server's CA and certificate, the edges' CA and one edge's certificate, and a rogue's."""
-    folder = tmp_path_factory.mktemp("pki")
-    server_ca, client_ca, rogue_ca = trustme.CA(), trustme.CA(), trustme.CA()
-    leaves = {
-        "server": server_ca.issue_cert("localhost", "127.0.0.1"),
-        "client": client_ca.issue_cert("edge-alice"),
-        "rogue": rogue_ca.issue_cert("edge-alice"),
-    }
-    files = {}
-    for name, ca in [("server_ca", server_ca), ("client_ca", client_ca), ("rogue_ca", rogue_ca)]:
-        files[name] = str(folder / f"{name}.pem")
-        ca.cert_pem.write_to_path(files[name])
-    for name, leaf in leaves.items():
-        files[f"{name}_cert"], files[f"{name}_key"] = str(folder / f"{name}.crt"), str(folder / f"{name}.key")
-        with open(files[f"{name}_cert"], "wb") as chain:
-            chain.write(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
-        leaf.private_key_pem.write_to_path(files[f"{name}_key"])
-    return files
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
