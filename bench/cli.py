@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import signal
 import sys
 
 from specedge.edge_client.drafting.base import TreeBudget
@@ -69,7 +70,7 @@ def _profile_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--categories", nargs="+", default=[])
     p.add_argument("--prompts", type=pathlib.Path, default=None)
-    p.add_argument("--draft-threads", type=int, default=2)
+    p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads (1 copes best with a busy CPU)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="default: bench/profiles/DRAFT--TARGET.json")
     p.add_argument("--write-sizes", action="store_true", help="record prompt and answer lengths in the prompt file")
     p.add_argument("--no-progress", action="store_true")
@@ -113,22 +114,27 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     return quick(config) if args.quick else config
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # so that the server process is stopped on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from specedge.registry import RegistryError
 
     from .server import ServerFailed
 
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        if args.command == "profile":
-            return _profile(args)
-        return _run(args)
+        return _profile(args) if args.command == "profile" else _run(args)
     except (ValueError, RegistryError, ServerFailed, OSError) as exc:
         print(f"specedge-bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specedge-bench: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -136,7 +142,10 @@ def _run(args: argparse.Namespace) -> int:
     from .run import run_benchmark
 
     config = bench_config(args)
-    results = run_benchmark(config, progress=not args.no_progress)
+    # Results so far are written after every cell: a long run stopped midway keeps what it measured.
+    results = run_benchmark(
+        config, progress=not args.no_progress, checkpoint=lambda partial: write_report(partial, args.out, plots=False)
+    )
     paths = write_report(results, args.out)
     print((args.out / "summary.md").read_text())
     print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)

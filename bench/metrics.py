@@ -23,8 +23,7 @@ import statistics
 from collections.abc import Sequence
 
 from .config import Pricing
-from .modes import Cell, RequestResult
-from .server import ServerCounters
+from .modes import Cell, CellRun, RequestResult
 
 REQUIRED_FIELDS = (
     "mode", "num_edges", "throughput_tok_s", "itl_p50_ms", "itl_p95_ms", "ttft_p50_ms", "acceptance_rate",
@@ -46,19 +45,15 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
-def summarize_cell(
-    cell: Cell,
-    runs: Sequence[tuple[float, list[RequestResult], ServerCounters, float]],  # (wall_s, results, delta, edge_busy_s)
-    pricing: Pricing,
-) -> dict:
+def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dict:
     """One record for (mode, N, RTT), pooling its repeats."""
-    wall_s = sum(run[0] for run in runs)
-    results = [r for run in runs for r in run[1]]
-    edge_busy_s = sum(run[3] for run in runs)
-    counters = {key: sum(run[2].values[key] for run in runs) for key in runs[0][2].values}
+    wall_s = sum(run.wall_s for run in runs)
+    results = [r for run in runs for r in run.results]
+    edge_busy_s = sum(run.edge_busy_s for run in runs)
+    counters = {key: sum(run.counters.values[key] for run in runs) for key in runs[0].counters.values}
     per_pos: dict[int, float] = {}
     for run in runs:
-        for position, count in run[2].accepted_per_pos.items():
+        for position, count in run.counters.accepted_per_pos.items():
             per_pos[position] = per_pos.get(position, 0.0) + count
     tokens = sum(len(r.token_ids) for r in results)
     itl = [sample for r in results for sample in r.itl_samples_ms()]
@@ -91,6 +86,10 @@ def summarize_cell(
         "server_busy_s": busy_s,
         "server_busy_fraction": _ratio(busy_s, wall_s),
         "tokens_per_server_busy_s": _ratio(tokens, busy_s),
+        # Where the server's time goes: a step's cost and what it commits.
+        "server_ms_per_step": _ratio(busy_s * 1e3, counters["steps"]),
+        "tokens_per_step": _ratio(tokens, counters["steps"]),
+        "draft_tokens_per_round": _ratio(counters["draft_tokens"], counters["drafts"]) if drafted else None,
         "mean_batch_size": _ratio(counters["rows"], counters["steps"]),
         "mean_batch_tokens": _ratio(counters["batch_tokens"], counters["steps"]),
         "server_steps": counters["steps"],
@@ -99,6 +98,7 @@ def summarize_cell(
         "cost_per_mtok_usd": _ratio(cost_usd * 1e6, tokens),
         "identical_to_reference": f"{sum(checked)}/{len(checked)}" if checked else None,
         "fallbacks": sum(1 for r in results if r.stats.get("fallback")),
+        "load_average_1m": max(run.load_average for run in runs),  # the machine's, at the cell's end
     }
 
 

@@ -23,6 +23,7 @@ from specedge.edge_client.client import EdgeClient, EdgeConfig
 from specedge.types import SamplingParams
 
 from .config import SERVER_DRIVEN, BenchConfig
+from .server import ServerCounters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,24 @@ class RequestResult:
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "num_tokens": len(self.token_ids), "ttft_ms": self.ttft_ms}
+
+
+@dataclasses.dataclass
+class CellRun:
+    """One run of a cell: what the edges saw, and the server's counters over it."""
+
+    wall_s: float
+    results: list[RequestResult]
+    counters: ServerCounters  # delta over the run
+    edge_busy_s: float  # summed drafting time of the edges
+    load_average: float  # the machine's 1-minute load average at the end (others' work shows here)
+
+    def to_json(self) -> dict:
+        return {
+            "wall_s": self.wall_s, "edge_busy_s": self.edge_busy_s, "load_average": self.load_average,
+            "server_counters": self.counters.values, "accepted_per_pos": self.counters.accepted_per_pos,
+            "requests": [r.to_json() for r in self.results],
+        }  # fmt: skip
 
 
 def edge_config(config: BenchConfig, mode: str, rtt_ms: float, seed: int | None) -> EdgeConfig:

@@ -34,7 +34,7 @@ from specedge.scheduler.speculation import StepCostModel
 
 from .edges import DraftCall, TimedDrafter, real_drafters
 from .prompts import PROMPTS_FILE, load_prompts
-from .server import ServerCounters, ServerProcess
+from .server import ServerProcess
 from .simulated import ALL, AcceptanceProfile, CategoryProfile
 
 LATENCY_PROBE = (1, 2, 4, 8)  # draft lengths timed for the latency fit
@@ -82,7 +82,7 @@ def record_profile(config: ProfileConfig, progress: bool = True) -> AcceptancePr
     load_before = os.getloadavg()
     try:
         with ServerProcess(server_args) as server:
-            measured = asyncio.run(_answer_all(config, server, tokenizer, prompts, drafter, progress))
+            measured, partial = asyncio.run(_answer_all(config, server, tokenizer, prompts, drafter, progress))
         s_per_call, s_per_token = _latency_fit(drafter, tokenizer)
     finally:
         drafter.close()
@@ -103,25 +103,45 @@ def record_profile(config: ProfileConfig, progress: bool = True) -> AcceptancePr
     )  # fmt: skip
     if config.write_sizes:
         _write_sizes(config.prompts_file or PROMPTS_FILE, measured)
+    partial.unlink(missing_ok=True)
     return profile
 
 
 async def _answer_all(config: ProfileConfig, server: ServerProcess, tokenizer, prompts, drafter, progress: bool):
+    """Each prompt's measurement; kept in a side file as it goes, so an interrupted run resumes where it stopped."""
     edge = EdgeConfig(num_draft=config.num_draft, max_new_tokens=config.max_tokens, proactive=False, follow_advice=False)
-    measured = []
+    partial = config.out_path.with_suffix(".partial.json")
+    key = {"target": config.target, "draft": config.draft, "num_draft": config.num_draft, "max_tokens": config.max_tokens}
+    done = _load_partial(partial, key)
+    todo = [p for p in prompts if p.id not in done]
     async with EdgeClient(server.address, tokenizer.fingerprint, config=edge) as client:
-        for prompt in tqdm(prompts, desc="profiling", unit="prompt", disable=not progress, file=sys.stderr):
+        for prompt in tqdm(todo, desc="profiling", unit="prompt", disable=not progress, file=sys.stderr):
             ids = tokenizer.apply_chat_template(list(prompt.messages))
             drafter.calls.clear()
             before = await asyncio.to_thread(server.scrape)
             result = await client.generate(ids, drafter)
             delta = (await asyncio.to_thread(server.scrape)) - before
-            measured.append({
+            done[prompt.id] = {
                 "id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),
                 "output_tokens": len(result.token_ids), "acceptance_rate": round(result.stats.acceptance_rate, 4),
-                "counters": delta, "runner_up": _runner_up_outcomes(len(ids), result.token_ids, drafter.calls),
-            })  # fmt: skip
-    return measured
+                "drafts": delta.values["drafts"], "accepted_per_pos": delta.accepted_per_pos,
+                "runner_up": _runner_up_outcomes(len(ids), result.token_ids, drafter.calls),
+            }  # fmt: skip
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"key": key, "done": done}))
+    return [done[p.id] for p in prompts], partial
+
+
+def _load_partial(path: pathlib.Path, key: dict) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if data.get("key") != key:
+        return {}
+    for row in data["done"].values():  # JSON keys are strings
+        row["accepted_per_pos"] = {int(p): c for p, c in row["accepted_per_pos"].items()}
+    return data["done"]
 
 
 def _runner_up_outcomes(prompt_len: int, answer: list[int], calls: list[DraftCall]) -> list[bool]:
@@ -141,9 +161,8 @@ def _runner_up_outcomes(prompt_len: int, answer: list[int], calls: list[DraftCal
 
 
 def _category_profile(rows: list[dict], depth: int) -> CategoryProfile:
-    counters: list[ServerCounters] = [r["counters"] for r in rows]
-    drafts = sum(c.values["drafts"] for c in counters)
-    reached = [sum(c.accepted_per_pos.get(d, 0.0) for c in counters) for d in range(depth)]
+    drafts = sum(r["drafts"] for r in rows)
+    reached = [sum(r["accepted_per_pos"].get(d, 0.0) for r in rows) for d in range(depth)]
     acceptance, previous = [], drafts
     for count in reached:
         # A depth no round got to keeps the last measured rate (too little data to say more).

@@ -11,13 +11,16 @@ from .config import MODES
 PLOTS_FILE = "plots.png"
 
 
-def write_report(results: dict, out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+def write_report(results: dict, out_dir: str | pathlib.Path, plots: bool = True) -> list[pathlib.Path]:
+    """Write the three files (the plots only when `plots`: a checkpoint mid-run skips them)."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "summary.md", out / PLOTS_FILE]
+    paths = [out / "results.json", out / "summary.md"]
     paths[0].write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     paths[1].write_text(summary_markdown(results))
-    plot(results["records"], paths[2])
+    if plots:
+        paths.append(out / PLOTS_FILE)
+        plot(results["records"], paths[2])
     return paths
 
 
@@ -33,11 +36,13 @@ def summary_markdown(results: dict) -> str:
     meta, records = results["meta"], _ordered(results["records"])
     config = meta["config"]
     machine = meta["machine"]
+    loads = [r["load_average_1m"] for r in records if r.get("load_average_1m") is not None]
     lines = [
         f"# SpecEdge benchmark: {config['target']} verifying, {config['draft']} drafting ({config['edge_kind']} edges)",
         "",
         f"{meta['started_utc']}; {machine['platform']}, {machine['cpus']} CPUs, torch {machine['torch']}; "
-        f"load average {_load(machine['load_average_before'])} before, {_load(machine['load_average_after'])} after.",
+        f"load average {_load(machine['load_average_before'])} before, {_load(machine['load_average_after'])} after"
+        + (f", {min(loads):.1f} to {max(loads):.1f} at the end of the cells." if loads else "."),
         f"{len(meta['prompts'])} prompts, up to {config['max_tokens']} tokens, temperature {config['temperature']}, "
         f"draft length {config['num_draft']}{' (server advice followed)' if config['follow_advice'] else ' (fixed)'}, "
         f"jitter {config['jitter_ms']} ms; server billed as {config['pricing']['server_hw']} for wall time, edges as "
@@ -63,8 +68,8 @@ def summary_markdown(results: dict) -> str:
         "## Every cell",
         "",
         "| mode | N | RTT ms | tok/s | ITL p50 ms | ITL p95 ms | TTFT p50 ms | acceptance | mean accepted length | "
-        "proactive hits | server busy | tok/busy-s | batch rows | $/Mtok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "proactive hits | server busy | tok/busy-s | batch rows x tokens | ms/step | $/Mtok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(
@@ -72,7 +77,8 @@ def summary_markdown(results: dict) -> str:
             f"{_fmt(r['itl_p50_ms'], '.0f')} | {_fmt(r['itl_p95_ms'], '.0f')} | {_fmt(r['ttft_p50_ms'], '.0f')} | "
             f"{_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} | {_fmt(r['proactive_hit_rate'])} | "
             f"{_fmt(r['server_busy_fraction'], '.0%')} | {_fmt(r['tokens_per_server_busy_s'])} | "
-            f"{_fmt(r['mean_batch_size'], '.1f')} | {_fmt(r['cost_per_mtok_usd'], '.2f')} |"
+            f"{_fmt(r['mean_batch_size'], '.1f')} x {_fmt(r['mean_batch_tokens'], '.1f')} | "
+            f"{_fmt(r['server_ms_per_step'], '.0f')} | {_fmt(r['cost_per_mtok_usd'], '.2f')} |"
         )
     categories = sorted({c for r in records for c in r["acceptance_per_category"]})
     if categories:

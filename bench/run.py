@@ -18,13 +18,14 @@ import importlib.metadata
 import os
 import platform
 import sys
+from collections.abc import Callable
 
 from tqdm import tqdm
 
 from .config import SERVER_DRIVEN, BenchConfig
 from .edges import real_drafters, simulated_drafters
 from .metrics import add_ratios, summarize_cell
-from .modes import Cell, Job, run_cell
+from .modes import Cell, CellRun, Job, run_cell
 from .prompts import assignment, interleave, load_prompts
 from .server import ServerProcess
 from .simulated import AcceptanceProfile
@@ -46,7 +47,8 @@ def load_jobs(config: BenchConfig, tokenizer) -> list[Job]:
     ]
 
 
-def run_benchmark(config: BenchConfig, progress: bool = True) -> dict:
+def run_benchmark(config: BenchConfig, progress: bool = True, checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Measure every cell; `checkpoint` gets the results so far after each cell (a long run keeps its data)."""
     from specedge.edge_client.tokenizer import load_tokenizer
     from specedge.registry import resolve
 
@@ -59,29 +61,38 @@ def run_benchmark(config: BenchConfig, progress: bool = True) -> dict:
         if len(cpus) < 2:
             raise ValueError("--pin needs at least 2 CPUs")
         pin_server = {cpus[0]}
-    started = datetime.datetime.now(datetime.timezone.utc)
-    load_before = os.getloadavg()
+    meta = _meta(config, profile, jobs, datetime.datetime.now(datetime.timezone.utc), os.getloadavg())
+
+    def results(raw, references) -> dict:
+        meta["machine"]["load_average_after"] = os.getloadavg()
+        return _results(config, meta, jobs, raw, references)
+
     with ServerProcess(server_args(config), pin_cpus=pin_server) as server:
         if pin_server:
             os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[1:]))
-        raw, references = asyncio.run(_measure(config, server, tokenizer.fingerprint, jobs, profile, progress))
+        on_cell = (lambda raw, references: checkpoint(results(raw, references))) if checkpoint else None
+        raw, references = asyncio.run(
+            _measure(config, server, tokenizer.fingerprint, jobs, profile, progress, on_cell)
+        )
+    return results(raw, references)
+
+
+def _results(config: BenchConfig, meta: dict, jobs: list[Job], raw, references) -> dict:
     records = [summarize_cell(cell, runs, config.pricing) for cell, runs in raw]
     add_ratios(records)
     return {
-        "meta": _meta(config, profile, jobs, started, load_before),
+        "meta": meta,
         "records": records,
         "references": {job.prompt_id: references[job.index] for job in jobs},
         "raw": [
-            {"mode": cell.mode, "num_edges": cell.num_edges, "rtt_ms": cell.rtt_ms,
-             "runs": [{"wall_s": wall, "edge_busy_s": busy, "server_counters": delta.values,
-                       "accepted_per_pos": delta.accepted_per_pos, "requests": [r.to_json() for r in results]}
-                      for wall, results, delta, busy in runs]}
+            {"mode": cell.mode, "num_edges": cell.num_edges, "rtt_ms": cell.rtt_ms, "runs": [r.to_json() for r in runs]}
             for cell, runs in raw
-        ],  # fmt: skip
+        ],
     }
 
 
-async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs: list[Job], profile, progress: bool):
+async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs: list[Job], profile, progress: bool,
+                   on_cell=None):  # fmt: skip
     """Everything in one event loop (grpc.aio dislikes a new loop per run)."""
     cells = [
         Cell(mode, n, rtt) for rtt in config.rtt_ms for n in config.num_edges for mode in config.modes
@@ -125,8 +136,10 @@ async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs
                 if _comparable(config, cell.mode):
                     for result in results:
                         result.identical = result.token_ids == references[index_of[result.prompt_id]]
-                runs.append((wall_s, results, delta, edge_busy))
+                runs.append(CellRun(wall_s, results, delta, edge_busy, os.getloadavg()[0]))
             raw.append((cell, runs))
+            if on_cell is not None:
+                on_cell(raw, references)
     finally:
         bar.close()
         for drafter in drafters:
@@ -150,6 +163,7 @@ async def _reference_pass(config: BenchConfig, address: str, fingerprint, jobs: 
 
 
 def _meta(config: BenchConfig, profile, jobs: list[Job], started, load_before) -> dict:
+    """How the run was made; load_average_after is filled in as it goes."""
     return {
         "started_utc": started.isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
@@ -162,7 +176,7 @@ def _meta(config: BenchConfig, profile, jobs: list[Job], started, load_before) -
             "torch": importlib.metadata.version("torch"),
             "cpus": os.cpu_count(),
             "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
+            "load_average_after": load_before,
         },
     }
 

@@ -11,7 +11,7 @@ from harness import tiny_server
 from specedge.bench import cli
 from specedge.bench.config import MODES, BenchConfig, Pricing
 from specedge.bench.metrics import REQUIRED_FIELDS, add_ratios, percentile, summarize_cell
-from specedge.bench.modes import Cell, Job, RequestResult, run_cell
+from specedge.bench.modes import Cell, CellRun, Job, RequestResult, run_cell
 from specedge.bench.prompts import assignment, interleave, load_prompts
 from specedge.bench.report import write_report
 from specedge.bench.server import ServerCounters
@@ -141,15 +141,16 @@ def _two_records() -> tuple[dict, dict]:
     pricing = Pricing("srv", "edge", (("srv", 3600.0), ("edge", 360.0)))  # $1 and $0.10 per second
     ar = summarize_cell(
         Cell("ar", 2, 14.0),
-        [(10.0, [_result([(0.0, 1)] * 50), _result([(0.0, 1)] * 50)], _counters(forward_s=8, steps=100, rows=200), 0.0)],
+        [CellRun(10.0, [_result([(0.0, 1)] * 50), _result([(0.0, 1)] * 50)], _counters(forward_s=8, steps=100, rows=200),
+                 0.0, 1.0)],
         pricing,
     )
     spec = summarize_cell(
         Cell("specedge_proactive", 2, 14.0),
-        [(4.0, [_result([(0.0, 2)] * 25, accepted=60, drafted=80, hits=6, rounds=8, category="chat"),
-                _result([(0.0, 2)] * 25, accepted=15, drafted=20, hits=2, rounds=8)],
-          _counters(forward_s=3, schedule_s=0.5, postprocess_s=0.5, steps=25, rows=50, drafts=25, draft_tokens=100,
-                    accepted_tokens=75, per_pos={0: 25, 1: 20, 2: 20, 3: 10}), 2.0)],
+        [CellRun(4.0, [_result([(0.0, 2)] * 25, accepted=60, drafted=80, hits=6, rounds=8, category="chat"),
+                       _result([(0.0, 2)] * 25, accepted=15, drafted=20, hits=2, rounds=8)],
+                 _counters(forward_s=3, schedule_s=0.5, postprocess_s=0.5, steps=25, rows=50, drafts=25,
+                           draft_tokens=100, accepted_tokens=75, per_pos={0: 25, 1: 20, 2: 20, 3: 10}), 2.0, 1.0)],
         pricing,
     )  # fmt: skip
     return ar, spec
@@ -212,19 +213,19 @@ def test_bad_options_end_in_one_line(capsys, tmp_path):
     assert "no price for 'tpu'" in lines[1]
 
 
-@pytest.mark.parametrize("edge_kind", ["real", "simulated"])
-def test_bench_runs_every_mode_end_to_end(tiny_target_dir, tiny_draft_dir, tmp_path, edge_kind):
+def _bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "out"
+    assert cli.main([*args, "--rtt-ms", "5", "--max-tokens", "8", "--out", str(out), "--no-progress"]) == 0
+    assert (out / "summary.md").exists() and (out / "plots.png").exists()
+    return json.loads((out / "results.json").read_text())
+
+
+def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, tiny_draft_dir, tmp_path):
     profile = tmp_path / "profile.json"
     categories = {"all": CategoryProfile((0.9, 0.7, 0.5), 0.5, 1)}
     profile.write_text(json.dumps(AcceptanceProfile("d", "t", categories, 0.001, 0.002).to_json()))
-    out = tmp_path / "out"
-    status = cli.main([
-        "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--edge-kind", edge_kind,
-        "--profile", str(profile), "--num-edges", "1", "2", "--rtt-ms", "5", "--max-prompts", "3", "--max-tokens", "8",
-        "--out", str(out), "--no-progress",
-    ])  # fmt: skip
-    assert status == 0
-    results = json.loads((out / "results.json").read_text())
+    results = _bench(tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--profile",
+                     str(profile), "--num-edges", "1", "2", "--max-prompts", "3")  # fmt: skip
     records = {(r["mode"], r["num_edges"]): r for r in results["records"]}
     assert set(records) == {(mode, n) for mode in MODES for n in (1, 2)}
     for (mode, n), record in records.items():
@@ -235,8 +236,17 @@ def test_bench_runs_every_mode_end_to_end(tiny_target_dir, tiny_draft_dir, tmp_p
         assert (record["proactive_hit_rate"] is not None) == (mode == "specedge_proactive")
         assert (record["vs_ar"]["throughput_x"] == 1.0) if mode == "ar" else record["vs_ar"]["throughput_x"] > 0
         assert record["edge_busy_s"] > 0 if mode.startswith("specedge") else record["edge_busy_s"] == 0
-    assert (out / "summary.md").exists() and (out / "plots.png").exists()
-    assert len(results["references"]) == 3
+    assert len(results["references"]) == 3 and results["meta"]["profile"]["draft_s_per_token"] == 0.002
+
+
+def test_bench_runs_real_draft_models_as_edges(tiny_target_dir, tiny_draft_dir, tmp_path):
+    results = _bench(tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--edge-kind",
+                     "real", "--modes", "specedge", "specedge_proactive", "--num-edges", "2", "--max-prompts", "2",
+                     "--warmup", "0")  # fmt: skip
+    for record in results["records"]:
+        assert record["identical_to_reference"] == "2/2" and record["acceptance_rate"] > 0
+        assert record["edge_busy_s"] > 0 and record["vs_ar"] is None  # no ar cell to compare with
+    assert results["meta"]["profile"] is None
 
 
 def test_random_target_presets_are_named_when_unknown(tiny_target_dir, capsys, tmp_path):
