@@ -1,6 +1,6 @@
 """`specedge-bench` (also `python -m bench`): SpecEdge against server-only baselines, in one invocation.
 
-    specedge-bench --quick --out /tmp/bench              # N = 1, 4; every mode; 14 ms RTT; short answers
+    specedge-bench --quick --out /tmp/bench              # N = 1, 4; every mode; 14 ms RTT; 4 short answers
     specedge-bench --num-edges 1 2 4 8 16 --out results  # the full sweep (RTT 0 and 14 ms)
     specedge-bench --target random:qwen2-7b --device cuda --modes ar specedge specedge_proactive
     specedge-bench profile                               # record the real pair's acceptance profile
@@ -57,7 +57,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--edge-hw", default="rtx-4090", help="price-table entry each edge is billed as")
     p.add_argument("--price", action="append", default=[], metavar="NAME=USD_PER_HOUR",
                    help=f"add or change a price (defaults: {', '.join(f'{k}={v}' for k, v in DEFAULT_PRICES.items())})")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="N = 1 and 4, every mode, 14 ms RTT, 6 prompts, 24 tokens")
+    p.add_argument("--quick", action="store_true", help="N = 1 and 4, every mode, 14 ms RTT, 4 prompts, 24 tokens")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
     p.add_argument("--no-progress", action="store_true")
 

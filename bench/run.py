@@ -30,6 +30,8 @@ from .prompts import assignment, interleave, load_prompts
 from .server import ServerProcess
 from .simulated import AcceptanceProfile
 
+WARMUP_TOKENS = 8  # a warm-up request exercises each path; its length does not matter
+
 
 def server_args(config: BenchConfig) -> list[str]:
     args = ["--model", config.target, "--max-sessions", str(config.max_sessions + 1),
@@ -113,9 +115,10 @@ async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs
     try:
         if config.warmup:
             bar.set_description("warm-up")
+            short = dataclasses.replace(config, max_tokens=min(config.max_tokens, WARMUP_TOKENS))
             for mode in config.modes:
                 plan = [[jobs[0]] * config.warmup]
-                await run_cell(Cell(mode, 1, 0.0), server.address, fingerprint, config, plan, drafters)
+                await run_cell(Cell(mode, 1, 0.0), server.address, fingerprint, short, plan, drafters)
         raw = []
         for cell in cells:
             runs = []
