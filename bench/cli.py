@@ -14,6 +14,7 @@ import argparse
 import pathlib
 import signal
 import sys
+from collections.abc import Callable
 
 from specedge.edge_client.drafting.base import TreeBudget
 
@@ -50,6 +51,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--tp", type=int, default=1, help="the server's tensor-parallel ranks (specedge-server --tp)")
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads per real edge")
     p.add_argument("--pin", action="store_true", help="real edges: server on CPU 0, edges on the others")
@@ -108,7 +110,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed, rtt_ms=tuple(args.rtt_ms), jitter_ms=args.jitter_ms, categories=tuple(args.categories),
         prompts_file=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens,
         requests_per_edge=args.requests_per_edge, warmup=args.warmup, repeats=args.repeats, device=args.device,
-        dtype=args.dtype, max_context=args.max_context, draft_threads=args.draft_threads, pin=args.pin,
+        dtype=args.dtype, tp=args.tp, max_context=args.max_context, draft_threads=args.draft_threads, pin=args.pin,
         pricing=Pricing(args.server_hw, args.edge_hw, tuple(prices.items())),
     )  # fmt: skip
     return quick(config) if args.quick else config
@@ -120,13 +122,18 @@ def _interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return guarded(lambda: _profile(args) if args.command == "profile" else _run(args))
+
+
+def guarded(command: Callable[[], int]) -> int:
+    """Run a bench command: every failure is one line on stderr and exit 2; Ctrl-C or SIGTERM stops the server."""
     from specedge.registry import RegistryError
 
     from .server import ServerFailed
 
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _profile(args) if args.command == "profile" else _run(args)
+        return command()
     except (ValueError, RegistryError, ServerFailed, OSError) as exc:
         print(f"specedge-bench: {exc}", file=sys.stderr)
         return 2

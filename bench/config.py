@@ -67,6 +67,7 @@ class BenchConfig:
     repeats: int = 1
     device: str = "auto"
     dtype: str = "auto"
+    tp: int = 1  # the server's --tp (tensor-parallel ranks)
     max_context: int = 1024
     draft_threads: int = 1  # llama.cpp threads per real edge
     pin: bool = False  # real edges: server on CPU 0, edges on the rest
@@ -91,6 +92,8 @@ class BenchConfig:
             raise ValueError("round-trip times and jitter must be >= 0")
         if min(self.max_tokens, self.requests_per_edge or 1, self.repeats) < 1 or self.warmup < 0:
             raise ValueError("--max-tokens, --requests-per-edge and --repeats must be >= 1, --warmup >= 0")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError("--max-prompts must be >= 1")
         if self.pin and self.edge_kind != "real":

@@ -35,7 +35,7 @@ WARMUP_TOKENS = 8  # a warm-up request exercises each path; its length does not 
 
 def server_args(config: BenchConfig) -> list[str]:
     args = ["--model", config.target, "--max-sessions", str(config.max_sessions + 1),
-            "--max-context", str(config.max_context), "--device", config.device, "--dtype", config.dtype]  # fmt: skip
+            "--max-context", str(config.max_context), "--device", config.device, "--dtype", config.dtype, "--tp", str(config.tp)]  # fmt: skip
     if "server_spec" in config.modes:
         args += ["--draft-model", config.server_draft_model]
     return args

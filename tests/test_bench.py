@@ -262,3 +262,21 @@ def test_quick_preset_keeps_at_least_n1_and_n4_and_every_mode():
 
     config = quick(BenchConfig(num_edges=(8,), modes=("ar",), max_tokens=500))
     assert config.num_edges == (1, 4) and config.modes == MODES and config.max_tokens <= 24 and config.rtt_ms == (14.0,)
+
+
+def test_tensor_parallel_bench_compares_tp1_and_tp2_with_the_same_answers(tiny_target_dir, tmp_path, capsys):
+    from specedge.bench import tensor_parallel
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(AcceptanceProfile("d", "t", {"all": CategoryProfile((0.8, 0.6), 0.5, 1)}, 0.001, 0.001).to_json()))
+    status = tensor_parallel.main(["--tp", "1", "2", "--target", str(tiny_target_dir), "--draft", str(tiny_target_dir),
+                                   "--profile", str(profile), "--device", "cpu", "--num-edges", "2", "--max-prompts",
+                                   "2", "--max-tokens", "8", "--warmup", "0", "--out", str(tmp_path / "tp"),
+                                   "--no-progress"])  # fmt: skip
+    table = capsys.readouterr().out
+    assert status == 0, table
+    assert "every --tp gave the answers --tp 1 gave: True" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| ar |", "| specedge |"))]
+    assert len(rows) == 4 and {row.split("|")[3].strip() for row in rows} == {"1", "2"}
+    tp2 = json.loads((tmp_path / "tp" / "tp2" / "results.json").read_text())
+    assert tp2["meta"]["config"]["tp"] == 2 and all(r["tokens"] > 0 for r in tp2["records"])
