@@ -72,10 +72,13 @@ class EdgeConfig:
     # way, plus uniform jitter in [0, jitter].
     simulated_rtt_ms: float = 0.0
     simulated_jitter_ms: float = 0.0
+    # Answers without a drafter: have the server draft this many tokens a round with
+    # its own draft model (specedge-server --draft-model), the server-side baseline.
+    server_draft_tokens: int = 0
 
     def __post_init__(self):
-        if self.num_draft < 0:
-            raise ValueError(f"num_draft must be >= 0, got {self.num_draft}")
+        if self.num_draft < 0 or self.server_draft_tokens < 0:
+            raise ValueError(f"num_draft and server_draft_tokens must be >= 0, got {self.num_draft}, {self.server_draft_tokens}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0.0 <= self.draft_p_min <= 1.0:
@@ -327,14 +330,20 @@ class EdgeClient:
             pass  # the server's idle timeout (or the broken lease) frees the slot anyway
 
     async def generate_stream(
-        self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        server_draft_tokens: int = 0,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Server-only generation, one message per token, each delivered half a round trip after it left."""
+        """Server-driven generation, one message per step, each delivered half a round trip after it left."""
         request = pb.GenerateRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             prompt_token_ids=prompt,
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
+            server_draft_tokens=server_draft_tokens,
         )
         await self._network_delay()
         if self.must_leave:

@@ -281,7 +281,7 @@ class Generation:
         while self.finish is FinishReason.NONE:
             prompt = [*self.prompt, *self.tokens]
             remaining = self.config.max_new_tokens - len(self.tokens)
-            stream = self.client.generate_stream(prompt, remaining, *self._sampling())
+            stream = self.client.generate_stream(prompt, remaining, *self._sampling(), self.config.server_draft_tokens)
             try:
                 async with contextlib.aclosing(stream):  # leaving early (a stop string) cancels the call
                     async for reply in stream:

@@ -55,6 +55,10 @@ def load_target(
 ) -> Target:
     """The whole model; with `collectives` (a tensor-parallel rank's), only that rank's share of it."""
     cache_dir = cache_dir or default_cache_dir()
+    if resolved.format == "random":
+        if collectives is not None:
+            raise ValueError("a random:PRESET target runs on one device; leave out --tp")
+        return _random_target(resolved, device=device, dtype=dtype, cache_dir=cache_dir)
     hf_dir = weights_dir(resolved, cache_dir)
     fingerprint = fingerprint_from_gguf(resolved.path, cache_dir) if resolved.format == "gguf" else None
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -73,6 +77,22 @@ def load_target(
     config_eos = config.eos_token_id
     eos.update(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
     return Target(name=resolved.name, model=model, fingerprint=fingerprint, eos_token_ids=frozenset(eos))
+
+
+def _random_target(resolved: ResolvedModel, *, device: torch.device, dtype: torch.dtype, cache_dir) -> Target:
+    """Random weights of a named shape; the tokenizer from `resolved.path` (see server/random_model.py)."""
+    from specedge.server.random_model import build_random, preset_of
+
+    preset = preset_of(resolved.name)
+    if resolved.path.suffix == ".gguf":
+        fingerprint = fingerprint_from_gguf(resolved.path, cache_dir)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+        fingerprint = fingerprint_from_hf(tokenizer, vocab_size=len(tokenizer))
+    model, fingerprint = build_random(preset, fingerprint, device=device, dtype=dtype)
+    return Target(name=resolved.name, model=model, fingerprint=fingerprint, eos_token_ids=frozenset(fingerprint.eos_token_ids))
 
 
 def _from_hf(hf_model) -> CausalLM:

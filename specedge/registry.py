@@ -6,7 +6,9 @@ One function, `resolve`, shared by the server and the edge. It accepts:
   concatenated once into the cache dir and checked against a pinned sha256;
 - a path to a `.gguf` file, or to an HF model directory (one with config.json);
 - a Hugging Face hub id (`org/name`) or a built-in hub alias such as
-  `llama-3.2-1b`, fetched with `huggingface_hub.snapshot_download`.
+  `llama-3.2-1b`, fetched with `huggingface_hub.snapshot_download`;
+- `random:PRESET[@TOKENIZER]`: random weights of a real shape, built by the
+  server (server/random_model.py); only the tokenizer source is resolved here.
 
 Every failure is a `RegistryError` whose message is one line a CLI user can act on.
 """
@@ -36,6 +38,8 @@ from filelock import FileLock
 from tqdm import tqdm
 
 _CHUNK_BYTES = 8 << 20
+RANDOM_PREFIX = "random:"  # random weights of a named shape (benchmarks)
+RANDOM_TOKENIZER = "qwen2.5-coder-0.5b"  # their default tokenizer: the Qwen2 vocabulary
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -48,7 +52,7 @@ class ResolvedModel:
     """Where the weights for a model string are, and in which format."""
 
     name: str  # what the user asked for (built-in name, alias, path or hub id)
-    format: str  # "gguf": path is a .gguf file; "hf": path is a dir with config.json
+    format: str  # "gguf": path is a .gguf file; "hf": path is a dir with config.json; "random": path is the tokenizer's
     path: pathlib.Path
     hub_id: str | None = None  # set when the weights came from the Hugging Face hub
 
@@ -141,6 +145,12 @@ def resolve(
     None, a tqdm bar is drawn on stderr. Resolution order: built-in names, hub
     aliases, existing paths, `org/name` hub ids; anything else is an error.
     """
+    if model.startswith(RANDOM_PREFIX):
+        _, _, tokenizer = model.partition("@")
+        source = resolve(tokenizer or RANDOM_TOKENIZER, cache_dir=cache_dir, on_progress=on_progress)
+        if source.format == "random":
+            raise RegistryError(f"{model}: the tokenizer must come from a real model, not {source.name}")
+        return ResolvedModel(model, "random", source.path)
     if model in BUILTINS:
         cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
         return ResolvedModel(model, "gguf", assemble(BUILTINS[model], cache_dir, open_part_default, on_progress))

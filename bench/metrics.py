@@ -1,0 +1,134 @@
+"""From raw measurements to the reported numbers, with every definition in one place.
+
+- throughput_tok_s: generated tokens / the cell's wall time (first request sent
+  to last token received): tokens per server wall-second;
+- itl_p50_ms, itl_p95_ms: over every token after an answer's first, the gap
+  before its delivery divided by the tokens delivered with it (modes.py);
+- ttft_p50_ms: request sent -> first token received;
+- acceptance_rate: accepted / drafted tokens, from the server's counters
+  (so server-side drafts count too); None for ar;
+- mean_accepted_length: 1 + accepted tokens / drafted rounds (vLLM's);
+- proactive_hit_rate: rounds whose next draft was ready (a guess came true) /
+  rounds drafted ahead for; None where proactive drafting is off;
+- server_busy_fraction: engine step time (forwards, server drafting, planning,
+  verification) / wall time, from the server's /metrics;
+- cost: the server billed for the wall time, each edge for its drafting time;
+  cost_per_mtok_usd = cost / tokens * 1e6.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from .config import Pricing
+from .modes import Cell, CellRun, RequestResult
+
+REQUIRED_FIELDS = (
+    "mode", "num_edges", "throughput_tok_s", "itl_p50_ms", "itl_p95_ms", "ttft_p50_ms", "acceptance_rate",
+    "proactive_hit_rate", "cost_per_mtok_usd",
+)  # fmt: skip
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dict:
+    """One record for (mode, N, RTT), pooling its repeats."""
+    wall_s = sum(run.wall_s for run in runs)
+    results = [r for run in runs for r in run.results]
+    edge_busy_s = sum(run.edge_busy_s for run in runs)
+    counters = {key: sum(run.counters.values[key] for run in runs) for key in runs[0].counters.values}
+    per_pos: dict[int, float] = {}
+    for run in runs:
+        for position, count in run.counters.accepted_per_pos.items():
+            per_pos[position] = per_pos.get(position, 0.0) + count
+    tokens = sum(len(r.token_ids) for r in results)
+    itl = [sample for r in results for sample in r.itl_samples_ms()]
+    ttft = [r.ttft_ms for r in results if r.deliveries]
+    busy_s = sum(counters[k] for k in ("forward_s", "schedule_s", "postprocess_s"))
+    drafted = counters["draft_tokens"] > 0
+    proactive_rounds = sum(r.proactive_rounds for r in results)
+    cost_usd = wall_s * pricing.usd_per_s(pricing.server_hw) + edge_busy_s * pricing.usd_per_s(pricing.edge_hw)
+    checked = [r.identical for r in results if r.identical is not None]
+    return {
+        "mode": cell.mode,
+        "num_edges": cell.num_edges,
+        "rtt_ms": cell.rtt_ms,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "throughput_tok_s": _ratio(tokens, wall_s),
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p95_ms": percentile(itl, 95),
+        "itl_mean_ms": statistics.fmean(itl) if itl else None,
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p95_ms": percentile(ttft, 95),
+        "acceptance_rate": _ratio(counters["accepted_tokens"], counters["draft_tokens"]) if drafted else None,
+        "mean_accepted_length": 1 + counters["accepted_tokens"] / counters["drafts"] if drafted else None,
+        "acceptance_per_position": (
+            [per_pos.get(p, 0.0) / counters["drafts"] for p in range(max(per_pos) + 1)] if drafted and per_pos else []
+        ),
+        "acceptance_per_category": per_category(results),
+        "proactive_hit_rate": _ratio(sum(r.proactive_hits for r in results), proactive_rounds) if proactive_rounds else None,
+        "server_busy_s": busy_s,
+        "server_busy_fraction": _ratio(busy_s, wall_s),
+        "tokens_per_server_busy_s": _ratio(tokens, busy_s),
+        # Where the server's time goes: a step's cost and what it commits.
+        "server_ms_per_step": _ratio(busy_s * 1e3, counters["steps"]),
+        "tokens_per_step": _ratio(tokens, counters["steps"]),
+        "draft_tokens_per_round": _ratio(counters["draft_tokens"], counters["drafts"]) if drafted else None,
+        "mean_batch_size": _ratio(counters["rows"], counters["steps"]),
+        "mean_batch_tokens": _ratio(counters["batch_tokens"], counters["steps"]),
+        "server_steps": counters["steps"],
+        "edge_busy_s": edge_busy_s,
+        "cost_usd": cost_usd,
+        "cost_per_mtok_usd": _ratio(cost_usd * 1e6, tokens),
+        "identical_to_reference": f"{sum(checked)}/{len(checked)}" if checked else None,
+        "fallbacks": sum(1 for r in results if r.stats.get("fallback")),
+        "load_average_1m": max(run.load_average for run in runs),  # the machine's, at the cell's end
+    }
+
+
+def per_category(results: Sequence[RequestResult]) -> dict[str, float]:
+    """Edge-side acceptance per prompt category (edge-drafted modes only)."""
+    totals: dict[str, list[int]] = {}
+    for r in results:
+        if r.stats.get("draft_tokens"):
+            entry = totals.setdefault(r.category, [0, 0])
+            entry[0] += r.stats["accepted_tokens"]
+            entry[1] += r.stats["draft_tokens"]
+    return {category: accepted / drafted for category, (accepted, drafted) in sorted(totals.items()) if drafted}
+
+
+def add_ratios(records: list[dict]) -> None:
+    """Each record's throughput, ITL and cost efficiency relative to ar at the same N and RTT (in place)."""
+    baseline = {(r["num_edges"], r["rtt_ms"]): r for r in records if r["mode"] == "ar"}
+    for record in records:
+        ar = baseline.get((record["num_edges"], record["rtt_ms"]))
+        if ar is None:
+            record["vs_ar"] = None
+            continue
+        record["vs_ar"] = {
+            "throughput_x": _safe_div(record["throughput_tok_s"], ar["throughput_tok_s"]),
+            "itl_p50_x": _safe_div(record["itl_p50_ms"], ar["itl_p50_ms"]),
+            "itl_p95_x": _safe_div(record["itl_p95_ms"], ar["itl_p95_ms"]),
+            # tokens per dollar, relative: AR's cost per token over this mode's
+            "cost_efficiency_x": _safe_div(ar["cost_per_mtok_usd"], record["cost_per_mtok_usd"]),
+        }
+
+
+def _safe_div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None

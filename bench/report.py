@@ -1,0 +1,160 @@
+"""Write a run's results: results.json (everything), summary.md (ratios vs AR first), plots.png."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Sequence
+
+from .config import MODES
+
+PLOTS_FILE = "plots.png"
+
+
+def write_report(results: dict, out_dir: str | pathlib.Path, plots: bool = True) -> list[pathlib.Path]:
+    """Write the three files (the plots only when `plots`: a checkpoint mid-run skips them)."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "summary.md"]
+    paths[0].write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    paths[1].write_text(summary_markdown(results))
+    if plots:
+        paths.append(out / PLOTS_FILE)
+        plot(results["records"], paths[2])
+    return paths
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _ordered(records: Sequence[dict]) -> list[dict]:
+    return sorted(records, key=lambda r: (r["rtt_ms"], r["num_edges"], MODES.index(r["mode"])))
+
+
+def summary_markdown(results: dict) -> str:
+    meta, records = results["meta"], _ordered(results["records"])
+    config = meta["config"]
+    machine = meta["machine"]
+    loads = [r["load_average_1m"] for r in records if r.get("load_average_1m") is not None]
+    lines = [
+        f"# SpecEdge benchmark: {config['target']} verifying, {config['draft']} drafting ({config['edge_kind']} edges)",
+        "",
+        f"{meta['started_utc']}; {machine['platform']}, {machine['cpus']} CPUs, torch {machine['torch']}; "
+        f"load average {_load(machine['load_average_before'])} before, {_load(machine['load_average_after'])} after"
+        + (f", {min(loads):.1f} to {max(loads):.1f} at the end of the cells." if loads else "."),
+        f"{len(meta['prompts'])} prompts, up to {config['max_tokens']} tokens, temperature {config['temperature']}, "
+        f"draft length {config['num_draft']}{' (server advice followed)' if config['follow_advice'] else ' (fixed)'}, "
+        f"jitter {config['jitter_ms']} ms; server billed as {config['pricing']['server_hw']} for wall time, edges as "
+        f"{config['pricing']['edge_hw']} for drafting time.",
+        "",
+        "## Against server-only decoding (AR), same N and RTT",
+        "",
+        "| mode | N | RTT ms | throughput x | ITL p50 x | ITL p95 x | cost efficiency x | acceptance | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if r["mode"] == "ar" or not r.get("vs_ar"):
+            continue
+        x = r["vs_ar"]
+        lines.append(
+            f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | {_fmt(x['throughput_x'], '.2f', 'x')} | "
+            f"{_fmt(x['itl_p50_x'], '.2f', 'x')} | {_fmt(x['itl_p95_x'], '.2f', 'x')} | "
+            f"{_fmt(x['cost_efficiency_x'], '.2f', 'x')} | {_fmt(r['acceptance_rate'])} | "
+            f"{r['identical_to_reference'] or '-'} |"
+        )
+    lines += [
+        "",
+        "## Every cell",
+        "",
+        "| mode | N | RTT ms | tok/s | ITL p50 ms | ITL p95 ms | TTFT p50 ms | acceptance | mean accepted length | "
+        "proactive hits | server busy | tok/busy-s | batch rows x tokens | ms/step | $/Mtok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | {_fmt(r['throughput_tok_s'])} | "
+            f"{_fmt(r['itl_p50_ms'], '.0f')} | {_fmt(r['itl_p95_ms'], '.0f')} | {_fmt(r['ttft_p50_ms'], '.0f')} | "
+            f"{_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} | {_fmt(r['proactive_hit_rate'])} | "
+            f"{_fmt(r['server_busy_fraction'], '.0%')} | {_fmt(r['tokens_per_server_busy_s'])} | "
+            f"{_fmt(r['mean_batch_size'], '.1f')} x {_fmt(r['mean_batch_tokens'], '.1f')} | "
+            f"{_fmt(r['server_ms_per_step'], '.0f')} | {_fmt(r['cost_per_mtok_usd'], '.2f')} |"
+        )
+    categories = sorted({c for r in records for c in r["acceptance_per_category"]})
+    if categories:
+        lines += ["", "## Acceptance per prompt category (edge-drafted modes)", "",
+                  "| mode | N | RTT ms | " + " | ".join(categories) + " |", "|---|---|---|" + "---|" * len(categories)]  # fmt: skip
+        for r in records:
+            if r["acceptance_per_category"]:
+                cells = [_fmt(r["acceptance_per_category"].get(c)) for c in categories]
+                lines.append(f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | " + " | ".join(cells) + " |")
+    if meta.get("profile"):
+        profile = meta["profile"]
+        lines += ["", f"Simulated edges replay `{profile['path']}` ({profile['draft']} -> {profile['target']}); "
+                  f"draft latency {profile['draft_s_per_call'] * 1e3:.1f} ms per call + "
+                  f"{profile['draft_s_per_token'] * 1e3:.1f} ms per token."]  # fmt: skip
+    lines += ["", f"Raw measurements: results.json. Plots: {PLOTS_FILE}.", ""]
+    return "\n".join(lines)
+
+
+def _load(values) -> str:
+    return "/".join(f"{v:.1f}" for v in values)
+
+
+def plot(records: Sequence[dict], path: pathlib.Path) -> None:
+    """Four panels: throughput vs N, ITL p50/p95 vs N, acceptance per category, proactive hit rate vs N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    records = _ordered(records)
+    rtts = sorted({r["rtt_ms"] for r in records})
+    modes = [m for m in MODES if any(r["mode"] == m for r in records)]
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    (throughput, itl), (categories, hits) = axes
+    for mode_index, mode in enumerate(modes):
+        color = f"C{mode_index}"
+        for rtt_index, rtt in enumerate(rtts):
+            rows = [r for r in records if r["mode"] == mode and r["rtt_ms"] == rtt]
+            ns = [r["num_edges"] for r in rows]
+            style = styles[rtt_index % len(styles)]
+            throughput.plot(ns, [r["throughput_tok_s"] for r in rows], style, marker="o", color=color,
+                            label=f"{mode}, {rtt:g} ms")  # fmt: skip
+            if rtt == rtts[-1]:
+                itl.plot(ns, [r["itl_p50_ms"] for r in rows], "-", marker="o", color=color, label=f"{mode} p50")
+                itl.plot(ns, [r["itl_p95_ms"] for r in rows], ":", marker="x", color=color, label=f"{mode} p95")
+            if any(r["proactive_hit_rate"] is not None for r in rows):
+                hits.plot(ns, [r["proactive_hit_rate"] for r in rows], style, marker="o", color=color,
+                          label=f"{mode}, {rtt:g} ms")  # fmt: skip
+    throughput.set(title="Server throughput", xlabel="concurrent edges N", ylabel="tokens / wall-second")
+    itl.set(title=f"Inter-token latency at {rtts[-1]:g} ms RTT", xlabel="concurrent edges N", ylabel="ms")
+    hits.set(title="Proactive hit rate", xlabel="concurrent edges N", ylabel="rounds whose next draft was ready",
+             ylim=(0, 1))  # fmt: skip
+    _category_bars(categories, records)
+    for ax in (throughput, itl, hits):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _category_bars(ax, records: Sequence[dict]) -> None:
+    """Edge-side acceptance per category, pooled over every edge-drafted cell of each mode."""
+    per_mode: dict[str, dict[str, list[float]]] = {}
+    for r in records:
+        for category, rate in r["acceptance_per_category"].items():
+            per_mode.setdefault(r["mode"], {}).setdefault(category, []).append(rate)
+    categories = sorted({c for by in per_mode.values() for c in by})
+    width = 0.8 / max(1, len(per_mode))
+    for i, (mode, by_category) in enumerate(per_mode.items()):
+        values = [sum(by_category.get(c, [0])) / len(by_category.get(c, [0])) for c in categories]
+        ax.bar([x + i * width for x in range(len(categories))], values, width, label=mode, color=f"C{MODES.index(mode)}")
+    ax.set_xticks([x + width * (len(per_mode) - 1) / 2 for x in range(len(categories))], categories)
+    ax.set(title="Acceptance per prompt category", ylabel="accepted / drafted tokens", ylim=(0, 1))
+    if per_mode:
+        ax.legend(fontsize=7)

@@ -1,0 +1,282 @@
+"""specedge-bench: simulated edges replay a profile exactly, metrics mean what they say, the CLI runs end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from harness import tiny_server
+from specedge.bench import cli
+from specedge.bench.config import MODES, BenchConfig, Pricing
+from specedge.bench.metrics import REQUIRED_FIELDS, add_ratios, percentile, summarize_cell
+from specedge.bench.modes import Cell, CellRun, Job, RequestResult, run_cell
+from specedge.bench.prompts import assignment, interleave, load_prompts
+from specedge.bench.report import write_report
+from specedge.bench.server import ServerCounters
+from specedge.bench.simulated import AcceptanceProfile, CategoryProfile, SimulatedDrafter, make_script
+from specedge.edge_client.drafting.base import DraftSampling
+from specedge.edge_client.tokenizer import HFTokenizer
+from specedge.tokens import TokenizerFingerprint
+
+FINGERPRINT = TokenizerFingerprint(vocab_size=100, num_tokens=100, vocab_sha256="x", bos_token_id=None, eos_token_ids=(2,))
+PROMPT = (50, 51, 52)
+REFERENCE = tuple(range(10, 40))
+
+
+def test_script_follows_the_profile_by_run_length():
+    profile = CategoryProfile(acceptance=(0.9, 0.6, 0.3))
+    reference = [7] * 30_000
+    script = make_script(PROMPT, reference, profile, seed=3)
+    assert script == make_script(PROMPT, reference, profile, seed=3)  # seeded
+    assert not script.correct[0]  # the prefill's token is the server's, never drafted
+    by_run: dict[int, list[bool]] = {}
+    run = 0
+    for ok in script.correct[1:]:
+        by_run.setdefault(min(run, 2), []).append(ok)
+        run = run + 1 if ok else 0
+    for run, expected in enumerate(profile.acceptance):
+        observed = sum(by_run[run]) / len(by_run[run])
+        assert abs(observed - expected) < 0.02, (run, observed)
+
+
+def test_simulated_drafter_knows_the_truth_only_on_the_reference_path():
+    perfect = make_script(PROMPT, REFERENCE, CategoryProfile((1.0,)), seed=0)
+    drafter = SimulatedDrafter(FINGERPRINT, [perfect], s_per_call=0.001, s_per_token=0.001)
+    chain = drafter.propose([*PROMPT, *REFERENCE[:3]], 4)
+    assert chain.token_ids == REFERENCE[3:7]
+    assert drafter.busy_s == pytest.approx(0.005)
+    # After a wrong token (a missed proactive guess) nothing can be right.
+    off_track = drafter.propose([*PROMPT, *REFERENCE[:2], 99], 4)
+    assert all(draft != truth for draft, truth in zip(off_track.token_ids, REFERENCE[3:7], strict=True))
+    with pytest.raises(ValueError, match="rejection sampling off"):
+        drafter.propose([*PROMPT], 2, DraftSampling(temperature=1.0))
+    with pytest.raises(ValueError, match="no reference answer"):
+        drafter.propose([1, 2, 3], 2)
+
+    hopeless = make_script(PROMPT, REFERENCE, CategoryProfile((0.0,), runner_up_hit=1.0), seed=0)
+    chain = SimulatedDrafter(FINGERPRINT, [hopeless]).propose([*PROMPT, *REFERENCE[:5]], 3)
+    assert chain.token_ids[0] != REFERENCE[5] and chain.runner_up_ids[0] == REFERENCE[5]  # what proactive guesses use
+    assert 2 not in chain.token_ids  # never an end-of-sequence id
+    # Confidence is the profile's, not the truth: here 0, so min_prob stops the chain at once.
+    assert SimulatedDrafter(FINGERPRINT, [hopeless]).propose([*PROMPT, *REFERENCE[:5]], 3, min_prob=0.1).token_ids == ()
+
+
+def test_profile_round_trips_and_refuses_a_profile_without_a_fallback(tmp_path):
+    profile = AcceptanceProfile("d", "t", {"all": CategoryProfile((0.8, 0.5), 0.3, 10)}, 0.002, 0.04, {"k": 1})
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile.to_json()))
+    assert AcceptanceProfile.load(path) == profile
+    assert AcceptanceProfile.load(path).category("code") == profile.categories["all"]
+    path.write_text(json.dumps({**profile.to_json(), "categories": {"code": {"acceptance": [0.5]}}}))
+    with pytest.raises(ValueError, match="'all' entry"):
+        AcceptanceProfile.load(path)
+
+
+@pytest.mark.parametrize("random_weights", [False, True], ids=["tiny-target", "random-tiny-target"])
+def test_simulated_edge_has_exactly_the_profile_acceptance(tiny_target_dir, random_weights):
+    """Profile [1, 1, 0], 3 drafts a round: every round accepts exactly 2, at depths 1 and 2, never 3."""
+    target = f"random:qwen2-tiny@{tiny_target_dir}" if random_weights else str(tiny_target_dir)
+    tokenizer = HFTokenizer(tiny_target_dir)
+    rounds = 8
+    config = BenchConfig(
+        target=target, draft=str(tiny_target_dir), modes=("specedge",), num_draft=3, follow_advice=False,
+        max_tokens=1 + 3 * rounds,
+    )  # fmt: skip
+    jobs = [
+        Job(i, f"p{i}", "code", tuple(tokenizer.apply_chat_template([{"role": "user", "content": text}])))
+        for i, text in enumerate(["def add(a, b):", "The quick brown fox", "for i in range(10):"])
+    ]
+    with tiny_server(target, max_sessions=4) as server:
+
+        async def run():
+            _, references = await run_cell(Cell("ar", 3, 0.0), server.address, tokenizer.fingerprint, config,
+                                           [[job] for job in jobs], [])  # fmt: skip
+            scripts = [make_script(job.token_ids, r.token_ids, CategoryProfile((1.0, 1.0, 0.0)), seed=0)
+                       for job, r in zip(jobs, references)]  # fmt: skip
+            drafter = SimulatedDrafter(tokenizer.fingerprint, scripts)
+            before = server.server.stats.snapshot()
+            _, results = await run_cell(Cell("specedge", 1, 0.0), server.address, tokenizer.fingerprint, config,
+                                        [jobs], [drafter])  # fmt: skip
+            return references, results, before, server.server.stats.snapshot()
+
+        references, results, before, after = asyncio.run(run())
+    full = [(ref, res) for ref, res in zip(references, results) if len(ref.token_ids) == config.max_tokens]
+    assert full, "every reference hit an end-of-sequence early; pick other prompts"
+    for reference, result in full:
+        assert result.token_ids == reference.token_ids  # lossless, whatever the drafts
+        assert result.stats["rounds"] == rounds
+        assert result.stats["accepted_tokens"] == 2 * rounds and result.stats["draft_tokens"] == 3 * rounds
+    if len(full) == len(results):
+        drafts = after["num_drafts"] - before["num_drafts"]
+        per_pos = {p: after["num_accepted_tokens_per_pos"].get(p, 0) - before["num_accepted_tokens_per_pos"].get(p, 0)
+                   for p in range(3)}  # fmt: skip
+        assert per_pos == {0: drafts, 1: drafts, 2: 0}
+
+
+def _result(deliveries, accepted=0, drafted=0, category="code", hits=0, rounds=0, tokens=None) -> RequestResult:
+    count = sum(n for _, n in deliveries)
+    return RequestResult(
+        edge=0, prompt_id="p", category=category, token_ids=tokens or [1] * count, finish="length", start_s=0.0,
+        deliveries=deliveries, stats={"accepted_tokens": accepted, "draft_tokens": drafted, "fallback": None},
+        proactive_rounds=rounds, proactive_hits=hits, identical=True,
+    )  # fmt: skip
+
+
+def _counters(**values) -> ServerCounters:
+    keys = ("forward_s", "schedule_s", "postprocess_s", "steps", "rows", "batch_tokens", "generated", "drafts",
+            "draft_tokens", "accepted_tokens")  # fmt: skip
+    return ServerCounters({k: float(values.get(k, 0)) for k in keys}, values.get("per_pos", {}))
+
+
+def test_itl_spreads_a_round_over_its_tokens_and_percentiles_interpolate():
+    result = _result([(100.0, 1), (160.0, 3), (200.0, 1)])
+    assert result.ttft_ms == 100.0
+    assert result.itl_samples_ms() == [20.0, 20.0, 20.0, 40.0]
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 95) == 5 and percentile([], 50) is None
+
+
+def _two_records() -> tuple[dict, dict]:
+    pricing = Pricing("srv", "edge", (("srv", 3600.0), ("edge", 360.0)))  # $1 and $0.10 per second
+    ar = summarize_cell(
+        Cell("ar", 2, 14.0),
+        [CellRun(10.0, [_result([(0.0, 1)] * 50), _result([(0.0, 1)] * 50)], _counters(forward_s=8, steps=100, rows=200),
+                 0.0, 1.0)],
+        pricing,
+    )
+    spec = summarize_cell(
+        Cell("specedge_proactive", 2, 14.0),
+        [CellRun(4.0, [_result([(0.0, 2)] * 25, accepted=60, drafted=80, hits=6, rounds=8, category="chat"),
+                       _result([(0.0, 2)] * 25, accepted=15, drafted=20, hits=2, rounds=8)],
+                 _counters(forward_s=3, schedule_s=0.5, postprocess_s=0.5, steps=25, rows=50, drafts=25,
+                           draft_tokens=100, accepted_tokens=75, per_pos={0: 25, 1: 20, 2: 20, 3: 10}), 2.0, 1.0)],
+        pricing,
+    )  # fmt: skip
+    return ar, spec
+
+
+def test_cell_summary_throughput_cost_and_ratios():
+    ar, spec = _two_records()
+    assert ar["throughput_tok_s"] == 10.0 and ar["acceptance_rate"] is None and ar["proactive_hit_rate"] is None
+    assert ar["cost_per_mtok_usd"] == pytest.approx(10.0 / 100 * 1e6)
+    assert spec["throughput_tok_s"] == 25.0 and spec["server_busy_fraction"] == 1.0
+    assert spec["acceptance_rate"] == 0.75 and spec["mean_accepted_length"] == 4.0
+    assert spec["acceptance_per_position"] == [1.0, 0.8, 0.8, 0.4]
+    assert spec["acceptance_per_category"] == {"chat": 0.75, "code": 0.75}
+    assert spec["proactive_hit_rate"] == 0.5
+    assert spec["cost_per_mtok_usd"] == pytest.approx((4.0 + 0.2) / 100 * 1e6)  # edges pay for drafting time only
+    records = [ar, spec]
+    add_ratios(records)
+    assert spec["vs_ar"]["throughput_x"] == 2.5
+    assert spec["vs_ar"]["cost_efficiency_x"] == pytest.approx(10.0 / 4.2)
+
+
+def test_report_writes_json_markdown_and_png(tmp_path):
+    records = list(_two_records())
+    add_ratios(records)
+    meta = {
+        "started_utc": "2026-11-21T00:00:00+00:00", "prompts": [{"id": "p"}], "profile": None,
+        "config": {"target": "t", "draft": "d", "edge_kind": "real", "max_tokens": 8, "temperature": 0.0,
+                   "num_draft": 4, "follow_advice": True, "jitter_ms": 0.0,
+                   "pricing": {"server_hw": "srv", "edge_hw": "edge"}},
+        "machine": {"platform": "x", "cpus": 2, "torch": "2", "load_average_before": [1, 1, 1],
+                    "load_average_after": [1, 1, 1]},
+    }  # fmt: skip
+    paths = write_report({"meta": meta, "records": records, "raw": []}, tmp_path)
+    saved = json.loads(paths[0].read_text())
+    assert all(field in record for record in saved["records"] for field in REQUIRED_FIELDS)
+    summary = paths[1].read_text()
+    ratios_at = summary.index("## Against server-only decoding")
+    assert ratios_at < summary.index("## Every cell")  # the ratios head the report
+    assert "| specedge_proactive | 2 | 14 | 2.50x |" in summary
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompt_set_covers_every_category_and_assignment_is_round_robin():
+    prompts = load_prompts()
+    assert {p.category for p in prompts} == {"code", "chat", "summarization", "translation", "math", "json"}
+    assert any("Korean" in p.messages[-1]["content"] for p in prompts)
+    assert any("English" in p.messages[-1]["content"] for p in prompts)
+    assert len({p.category for p in interleave(prompts)[:6]}) == 6
+    assert assignment(6, 4, 2) == [[0, 4], [1, 5], [2, 0], [3, 1]]
+    with pytest.raises(ValueError, match="no prompts in categories"):
+        load_prompts(categories=["poetry"])
+
+
+def test_bad_options_end_in_one_line(capsys, tmp_path):
+    assert cli.main(["--price", "cpu=cheap", "--out", str(tmp_path)]) == 2
+    assert cli.main(["--server-hw", "tpu", "--out", str(tmp_path)]) == 2
+    assert cli.main(["--edge-kind", "simulated", "--tree", "4,2,8", "--out", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("specedge-bench: ") for line in lines)
+    assert "no price for 'tpu'" in lines[1]
+
+
+def _bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "out"
+    assert cli.main([*args, "--rtt-ms", "5", "--max-tokens", "8", "--out", str(out), "--no-progress"]) == 0
+    assert (out / "summary.md").exists() and (out / "plots.png").exists()
+    return json.loads((out / "results.json").read_text())
+
+
+def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, tiny_draft_dir, tmp_path):
+    profile = tmp_path / "profile.json"
+    categories = {"all": CategoryProfile((0.9, 0.7, 0.5), 0.5, 1)}
+    profile.write_text(json.dumps(AcceptanceProfile("d", "t", categories, 0.001, 0.002).to_json()))
+    results = _bench(tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--profile",
+                     str(profile), "--num-edges", "1", "2", "--max-prompts", "3")  # fmt: skip
+    records = {(r["mode"], r["num_edges"]): r for r in results["records"]}
+    assert set(records) == {(mode, n) for mode in MODES for n in (1, 2)}
+    for (mode, n), record in records.items():
+        assert all(field in record for field in REQUIRED_FIELDS)
+        assert record["tokens"] > 0 and record["throughput_tok_s"] > 0
+        assert record["identical_to_reference"] == f"{record['requests']}/{record['requests']}"  # lossless everywhere
+        assert (record["acceptance_rate"] is None) == (mode == "ar")
+        assert (record["proactive_hit_rate"] is not None) == (mode == "specedge_proactive")
+        assert (record["vs_ar"]["throughput_x"] == 1.0) if mode == "ar" else record["vs_ar"]["throughput_x"] > 0
+        assert record["edge_busy_s"] > 0 if mode.startswith("specedge") else record["edge_busy_s"] == 0
+    assert len(results["references"]) == 3 and results["meta"]["profile"]["draft_s_per_token"] == 0.002
+
+
+def test_bench_runs_real_draft_models_as_edges(tiny_target_dir, tiny_draft_dir, tmp_path):
+    results = _bench(tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--edge-kind",
+                     "real", "--modes", "specedge", "specedge_proactive", "--num-edges", "2", "--max-prompts", "2",
+                     "--warmup", "0")  # fmt: skip
+    for record in results["records"]:
+        assert record["identical_to_reference"] == "2/2" and record["acceptance_rate"] > 0
+        assert record["edge_busy_s"] > 0 and record["vs_ar"] is None  # no ar cell to compare with
+    assert results["meta"]["profile"] is None
+
+
+def test_random_target_presets_are_named_when_unknown(tiny_target_dir, capsys, tmp_path):
+    status = cli.main(["--target", f"random:qwen9-huge@{tiny_target_dir}", "--draft", str(tiny_target_dir),
+                       "--modes", "ar", "--num-edges", "1", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1
+    assert "unknown random model 'qwen9-huge'; presets: qwen2-0.5b" in err
+
+
+def test_quick_preset_keeps_at_least_n1_and_n4_and_every_mode():
+    from specedge.bench.config import quick
+
+    config = quick(BenchConfig(num_edges=(8,), modes=("ar",), max_tokens=500))
+    assert config.num_edges == (1, 4) and config.modes == MODES and config.max_tokens <= 24 and config.rtt_ms == (14.0,)
+
+
+def test_tensor_parallel_bench_compares_tp1_and_tp2_with_the_same_answers(tiny_target_dir, tmp_path, capsys):
+    from specedge.bench import tensor_parallel
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(AcceptanceProfile("d", "t", {"all": CategoryProfile((0.8, 0.6), 0.5, 1)}, 0.001, 0.001).to_json()))
+    status = tensor_parallel.main(["--tp", "1", "2", "--target", str(tiny_target_dir), "--draft", str(tiny_target_dir),
+                                   "--profile", str(profile), "--device", "cpu", "--num-edges", "2", "--max-prompts",
+                                   "2", "--max-tokens", "8", "--warmup", "0", "--out", str(tmp_path / "tp"),
+                                   "--no-progress"])  # fmt: skip
+    table = capsys.readouterr().out
+    assert status == 0, table
+    assert "every --tp gave the answers --tp 1 gave: True" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| ar |", "| specedge |"))]
+    assert len(rows) == 4 and {row.split("|")[3].strip() for row in rows} == {"1", "2"}
+    tp2 = json.loads((tmp_path / "tp" / "tp2" / "results.json").read_text())
+    assert tp2["meta"]["config"]["tp"] == 2 and all(r["tokens"] > 0 for r in tp2["records"])
