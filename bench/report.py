@@ -132,6 +132,8 @@ def plot(records: Sequence[dict], path: pathlib.Path) -> None:
     itl.set(title=f"Inter-token latency at {rtts[-1]:g} ms RTT", xlabel="concurrent edges N", ylabel="ms")
     hits.set(title="Proactive hit rate", xlabel="concurrent edges N", ylabel="rounds whose next draft was ready",
              ylim=(0, 1))  # fmt: skip
+    if not hits.get_legend_handles_labels()[0]:
+        hits.text(0.5, 0.5, "no specedge_proactive cells in this run", ha="center", transform=hits.transAxes)
     _category_bars(categories, records)
     for ax in (throughput, itl, hits):
         ax.set_xscale("log", base=2)
@@ -154,7 +156,7 @@ def _category_bars(ax, records: Sequence[dict]) -> None:
     for i, (mode, by_category) in enumerate(per_mode.items()):
         values = [sum(by_category.get(c, [0])) / len(by_category.get(c, [0])) for c in categories]
         ax.bar([x + i * width for x in range(len(categories))], values, width, label=mode, color=f"C{MODES.index(mode)}")
-    ax.set_xticks([x + width * (len(per_mode) - 1) / 2 for x in range(len(categories))], categories)
+    ax.set_xticks([x + width * (len(per_mode) - 1) / 2 for x in range(len(categories))], categories, rotation=20)
     ax.set(title="Acceptance per prompt category", ylabel="accepted / drafted tokens", ylim=(0, 1))
     if per_mode:
         ax.legend(fontsize=7)
