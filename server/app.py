@@ -22,6 +22,7 @@ from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.engine import Engine, EngineConfig
 from specedge.server.limits import RateLimitConfig, RoundRateLimiter
 from specedge.server.loading import load_target, weights_dir
+from specedge.server.matmul import MATMUL_KINDS, resolve_matmul
 from specedge.server.metrics import start_metrics_server, stop_metrics_server
 from specedge.server.parallel import check_splittable
 from specedge.server.runner import KVCache, ModelRunner
@@ -48,6 +49,8 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
+    # How the target's matrix products run (server/matmul.py): auto (oneDNN-packed on CPU), eager, onednn.
+    matmul: str = "auto"
     max_context: int | None = None  # default: min(4096, the model's max positions)
     engine: EngineConfig = EngineConfig()
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off, 0 picks a free port
@@ -70,6 +73,8 @@ class ServerConfig:
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(_DTYPES)}")
+        if self.matmul not in MATMUL_KINDS:
+            raise ValueError(f"unknown matmul path {self.matmul!r}; choose {', '.join(MATMUL_KINDS)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -117,8 +122,9 @@ class SpecEdgeServer:
             model_dir = weights_dir(resolved)  # a GGUF is converted here, once, before any rank starts
             check_splittable(model_dir, config.parallel.tp)
             self.ranks = RankGroup.launch(
-                config.parallel, model_dir, device_type=device.type, dtype=dtype, on_failure=self._on_rank_failure
-            )
+                config.parallel, model_dir, device_type=device.type, dtype=dtype,
+                matmul=resolve_matmul(config.matmul, device, dtype), on_failure=self._on_rank_failure,
+            )  # fmt: skip
         try:
             self._build(config, resolved, device, dtype, started)
         except BaseException:
@@ -135,11 +141,11 @@ class SpecEdgeServer:
     def _build(self, config: ServerConfig, resolved, device: torch.device, dtype: torch.dtype, started: float) -> None:
         """Model(s), KV slots within the budget, runner, engine."""
         collectives = self.ranks.collectives if self.ranks is not None else None
-        target = load_target(resolved, device=device, dtype=dtype, collectives=collectives)
+        target = load_target(resolved, device=device, dtype=dtype, collectives=collectives, matmul=config.matmul)
         max_context = min(config.max_context or 4096, target.model.args.max_position_embeddings)
         draft = None
         if config.draft_model is not None:
-            draft = load_target(resolve(config.draft_model), device=device, dtype=dtype)
+            draft = load_target(resolve(config.draft_model), device=device, dtype=dtype, matmul=config.matmul)
             try:
                 check_compatible(draft.fingerprint, target.fingerprint)
             except IncompatibleTokenizer as exc:
@@ -166,8 +172,8 @@ class SpecEdgeServer:
             )
         kv = KVCache(target.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
         log.info(
-            "loaded %s on %s (%s) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
-            target.name, device, dtype, time.monotonic() - started, kv.num_slots, kv.max_len,
+            "loaded %s on %s (%s, %s matrix products) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
+            target.name, device, dtype, target.matmul, time.monotonic() - started, kv.num_slots, kv.max_len,
             bytes_per_slot * kv.num_slots / 2**30,
         )  # fmt: skip
         self.stats = ServerStats()  # the engine reports here; metrics.py exports it

@@ -30,7 +30,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: float32 on CPU, bfloat16 on CUDA. bfloat16 on a CPU with AVX512_BF16 halves the weight "
+        "stream, but changes the target's numerics (its answers are then bfloat16's answers)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--matmul", default="auto", choices=["auto", "eager", "onednn"],
+        help="matrix products: auto (oneDNN-packed weights on CPU, several times faster than eager for the "
+        "small batches of verify rounds), eager (torch's plain path), onednn",
+    )  # fmt: skip
     parser.add_argument("--max-sessions", type=int, default=8, help="KV slots, i.e. concurrent sessions")
     parser.add_argument("--max-context", type=int, default=None, help="tokens per session (default 4096)")
     parser.add_argument("--max-draft-tokens", type=int, default=64, help="draft nodes accepted per round")
@@ -118,6 +127,7 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
         port=args.port,
         device=args.device,
         dtype=args.dtype,
+        matmul=args.matmul,
         max_context=args.max_context,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
@@ -168,12 +178,17 @@ def _run_worker(args: argparse.Namespace, rank: int, world_size: int, local_rank
     from specedge.registry import resolve
     from specedge.server.app import ServerConfig
     from specedge.server.loading import weights_dir
+    from specedge.server.matmul import resolve_matmul
 
-    config = ServerConfig(model=args.model, device=args.device, dtype=args.dtype, parallel=_parallel_config(args))
+    config = ServerConfig(
+        model=args.model, device=args.device, dtype=args.dtype, matmul=args.matmul, parallel=_parallel_config(args)
+    )
     device = config.torch_device()
+    dtype = config.torch_dtype(device)
     spec = RankSpec(
         rank=rank, world_size=world_size, local_rank=local_rank, model_dir=str(weights_dir(resolve(args.model))),
-        device_type=device.type, dtype=str(config.torch_dtype(device)).removeprefix("torch."), store_port=None,
+        device_type=device.type, dtype=str(dtype).removeprefix("torch."),
+        matmul=resolve_matmul(config.matmul, device, dtype), store_port=None,
         collective_timeout_s=config.parallel.collective_timeout_s, log_level=args.log_level.upper(),
     )  # fmt: skip
     worker_main(spec)

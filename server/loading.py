@@ -23,6 +23,7 @@ import torch
 from filelock import FileLock
 
 from specedge.registry import ResolvedModel, default_cache_dir, file_cache_key
+from specedge.server.matmul import pack_for_onednn, resolve_matmul
 from specedge.server.model import CausalLM, Collectives, ModelArgs, rope_frequencies
 from specedge.server.parallel import load_shard
 from specedge.tokens import TokenizerFingerprint, fingerprint_from_gguf, fingerprint_from_hf
@@ -36,6 +37,7 @@ class Target:
     model: CausalLM
     fingerprint: TokenizerFingerprint
     eos_token_ids: frozenset[int]
+    matmul: str = "eager"  # the path its matrix products take (server/matmul.py)
 
 
 def weights_dir(resolved: ResolvedModel, cache_dir: pathlib.Path | None = None) -> pathlib.Path:
@@ -52,9 +54,29 @@ def load_target(
     dtype: torch.dtype,
     cache_dir: pathlib.Path | None = None,
     collectives: Collectives | None = None,
+    matmul: str = "eager",
 ) -> Target:
-    """The whole model; with `collectives` (a tensor-parallel rank's), only that rank's share of it."""
+    """The whole model; with `collectives` (a tensor-parallel rank's), only that rank's share of it.
+
+    `matmul`: the path its matrix products take (server/matmul.py); `auto` picks the fastest here.
+    """
     cache_dir = cache_dir or default_cache_dir()
+    kind = resolve_matmul(matmul, device, dtype)
+    target = _load(resolved, device=device, dtype=dtype, cache_dir=cache_dir, collectives=collectives)
+    if kind == "onednn":
+        pack_for_onednn(target.model)
+    target.matmul = kind
+    return target
+
+
+def _load(
+    resolved: ResolvedModel,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dir: pathlib.Path,
+    collectives: Collectives | None,
+) -> Target:
     if resolved.format == "random":
         if collectives is not None:
             raise ValueError("a random:PRESET target runs on one device; leave out --tp")

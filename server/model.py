@@ -1,9 +1,11 @@
-"""A compact Llama/Qwen2-family decoder that reads and writes a padded KV cache.
+"""A compact Llama/Qwen2-family decoder over packed rows and a slotted KV cache.
 
-One forward serves any mix of sessions: each row of the batch is one
-session's new tokens (a prompt chunk, a decode step, or a draft tree), written
-into that session's KV slot and attending to the slot's prefix plus whatever
-of its own new tokens the mask allows. Module names mirror transformers'
+One forward serves any mix of sessions: each row is one session's new tokens
+(a prompt chunk, a decode step, or a draft tree). Every row's tokens sit in
+one packed [num_tokens, hidden] tensor for the embedding, norms, projections,
+MLP and LM head, so no padding is ever computed; each row writes its tokens
+into its own KV slot and attends to that slot in place (its prefix plus
+whatever of its own new tokens the mask allows). Module names mirror transformers'
 (`model.layers.N.self_attn.q_proj`, ...) so its state dicts load as they are.
 
 Under tensor parallelism each rank builds the same module tree over its
@@ -109,18 +111,30 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchLayout:
-    """Where a batch's tokens sit: built once per step, shared by every layer."""
+class StepBatch:
+    """One step's tokens from every row, packed: built once per step, shared by every layer.
 
-    token_ids: torch.Tensor  # [B, T] (padding rows/columns hold any valid id)
-    positions: torch.Tensor  # [B, T] RoPE position of each token
-    slots: torch.Tensor  # [B] KV slot of each row
-    write_rows: torch.Tensor  # [N] batch row of each real (non-padding) token
-    write_cols: torch.Tensor  # [N] column in the batch of each real token
-    write_positions: torch.Tensor  # [N] KV position each real token is stored at
-    attn_mask: torch.Tensor  # [B, 1, T, K] True where a query may attend a cached key
-    logit_rows: torch.Tensor  # [L] batch row of each token whose logits are wanted
-    logit_cols: torch.Tensor  # [L]
+    Row r owns packed tokens cu_num_tokens[r] .. cu_num_tokens[r + 1]; no padding exists.
+
+        rows: A (cached 7, new [a0 a1 a2]), B (cached 3, new [b0])
+        token_ids     = [a0 a1 a2 b0]      cu_num_tokens = [0, 3, 4]
+        kv_positions  = [7 8 9 3]          num_keys      = [10, 4]
+        row_masks[0]  = [3, 10] (cached columns visible, then the chain's or tree's own mask); row_masks[1] = None
+    """
+
+    token_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens] RoPE position (a tree node's depth after the cache)
+    kv_slots: torch.Tensor  # [num_tokens] KV slot each token is stored in
+    kv_positions: torch.Tensor  # [num_tokens] KV position each token is stored at
+    logit_indices: torch.Tensor  # [num_logits] packed index of each token whose logits are wanted
+    cu_num_tokens: tuple[int, ...]  # [num_rows + 1] row boundaries in the packed tokens
+    slots: tuple[int, ...]  # [num_rows]
+    num_keys: tuple[int, ...]  # [num_rows] keys each row attends: its cache plus its new tokens
+    row_masks: tuple[torch.Tensor | None, ...]  # [num_rows] [new, num_keys] bool; None: one token sees all
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slots)
 
 
 class RMSNorm(nn.Module):
@@ -147,38 +161,66 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, part: Partition):
         super().__init__()
         self.args = args
+        self.num_heads, self.num_kv_heads = part.num_heads, part.num_kv_heads
         self.q_proj = nn.Linear(args.hidden_size, part.num_heads * args.head_dim, bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(part.num_heads * args.head_dim, args.hidden_size, bias=False)
+        # server/matmul.py may replace q/k/v with one fused product (one pass over the weights).
+        self.qkv_proj: nn.Module | None = None
 
     def forward(
         self,
-        x: torch.Tensor,  # [B, T, hidden]
-        cos: torch.Tensor,  # [B, 1, T, head_dim]
-        sin: torch.Tensor,  # [B, 1, T, head_dim]
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,  # [num_tokens, 1, head_dim]
         k_cache: torch.Tensor,  # [num_slots, max_len, kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_slots, max_len, kv_heads, head_dim]
-        layout: BatchLayout,
+        batch: StepBatch,
     ) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        head_dim = self.args.head_dim
-        q = self.q_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(batch, seq, -1, head_dim).transpose(1, 2)  # [B, KVH, T, D]
-        v = self.v_proj(x).view(batch, seq, -1, head_dim)  # [B, T, KVH, D]
+        num_tokens, head_dim = x.shape[0], self.args.head_dim
+        if self.qkv_proj is not None:
+            q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+            q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, -1, head_dim)  # [N, H, D]
+        k = k.view(num_tokens, -1, head_dim)  # [N, KVH, D]
         q = q * cos + _rotate_half(q) * sin
-        k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)  # [B, T, KVH, D]
+        k = k * cos + _rotate_half(k) * sin
+        k_cache[batch.kv_slots, batch.kv_positions] = k.to(k_cache.dtype)
+        v_cache[batch.kv_slots, batch.kv_positions] = v.view(num_tokens, -1, head_dim).to(v_cache.dtype)
+        out = torch.empty_like(q)  # [N, H, D]
+        for row, slot in enumerate(batch.slots):
+            start, end = batch.cu_num_tokens[row], batch.cu_num_tokens[row + 1]
+            out[start:end] = _row_attention(
+                q[start:end], k_cache[slot, : batch.num_keys[row]], v_cache[slot, : batch.num_keys[row]],
+                batch.row_masks[row],
+            )  # fmt: skip
+        return self.o_proj(out.view(num_tokens, -1))
 
-        # Only real tokens are stored; padding never touches a slot.
-        slot_of_token = layout.slots[layout.write_rows]
-        k_cache[slot_of_token, layout.write_positions] = k[layout.write_rows, layout.write_cols]
-        v_cache[slot_of_token, layout.write_positions] = v[layout.write_rows, layout.write_cols]
 
-        num_keys = layout.attn_mask.shape[-1]
-        keys = k_cache[layout.slots, :num_keys].transpose(1, 2)  # [B, KVH, K, D]
-        values = v_cache[layout.slots, :num_keys].transpose(1, 2)  # [B, KVH, K, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.attn_mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+def _row_attention(
+    q: torch.Tensor,  # [T, H, D]
+    keys: torch.Tensor,  # [K, KVH, D], a view of the row's KV slot: read in place, never copied
+    values: torch.Tensor,  # [K, KVH, D]
+    mask: torch.Tensor | None,  # [T, K] bool, or None: every query sees every key
+) -> torch.Tensor:  # [T, H, D]
+    """One row's attention. The G = H / KVH query heads sharing a KV head are folded into the
+    query length, so grouped-query attention needs no repeated copy of the keys:
+
+        q [T, H, D] -> [KVH, G * T, D] (head h = kv * G + g),  keys [K, KVH, D] -> [KVH, K, D]
+    """
+    num_new, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    folded = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
+    if mask is not None:
+        mask = mask.repeat(group, 1)  # [G * T, K], the same mask for every head of a group
+    out = F.scaled_dot_product_attention(
+        folded[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask
+    )[0]  # [KVH, G * T, D]
+    return out.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, num_heads, head_dim)
 
 
 class MLP(nn.Module):
@@ -189,9 +231,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, part.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, part.intermediate_size, bias=False)
         self.down_proj = nn.Linear(part.intermediate_size, args.hidden_size, bias=False)
+        # server/matmul.py may replace gate/up with one fused product.
+        self.gate_up_proj: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -239,23 +287,23 @@ class CausalLM(nn.Module):
 
     def forward(
         self,
-        layout: BatchLayout,
+        batch: StepBatch,
         k_caches: list[torch.Tensor],  # per layer: [num_slots, max_len, kv_heads, head_dim]
         v_caches: list[torch.Tensor],
     ) -> torch.Tensor | None:
-        """Logits of the tokens named by layout.logit_rows/cols: [L, vocab] in float32.
+        """Logits of the tokens named by batch.logit_indices: [num_logits, vocab] in float32.
 
         None on a tensor-parallel rank other than 0: its share of the logits went to rank 0.
         """
-        x = self._embed(layout.token_ids)  # [B, T, hidden]
-        freqs = layout.positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        x = self._embed(batch.token_ids)  # [N, hidden]
+        freqs = batch.positions[:, None].float() * self.inv_freq  # [N, D/2]
         angles = torch.cat((freqs, freqs), dim=-1)
-        cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]  # [B, 1, T, D]
+        cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]  # [N, 1, D]
         sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None]
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
-            x = x + self._sum(layer.self_attn(layer.input_layernorm(x), cos, sin, k_cache, v_cache, layout))
+            x = x + self._sum(layer.self_attn(layer.input_layernorm(x), cos, sin, k_cache, v_cache, batch))
             x = x + self._sum(layer.mlp(layer.post_attention_layernorm(x)))
-        hidden = self.model.norm(x[layout.logit_rows, layout.logit_cols])  # [L, hidden]
+        hidden = self.model.norm(x[batch.logit_indices])  # [L, hidden]
         logits = self.lm_head(hidden).float()  # [L, num_vocab_rows]
         if self.collectives is None:
             return logits
@@ -266,7 +314,7 @@ class CausalLM(nn.Module):
         """A block half's output: this rank's partial sum, summed over ranks (one all-reduce)."""
         return partial if self.collectives is None else self.collectives.all_reduce(partial)
 
-    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, hidden]
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
         if self.collectives is None:
             return self.model.embed_tokens(token_ids)
         # Vocab-parallel: the one rank holding a token's row contributes it, the others zeros.

@@ -1,9 +1,9 @@
 """The only place that touches the target's tensors: KV slots and batched forwards.
 
-A step is a list of ForwardRequests, one per session, of any lengths. They are
-padded into one [B, T] batch; each row writes its real tokens into its own KV
-slot and attends to that slot's prefix plus its own chain or tree. Padding is
-never stored and never attended to by real tokens.
+A step is a list of ForwardRequests, one per session, of any lengths. Their
+tokens are packed into one flat batch (server/model.py's StepBatch): each row
+writes its tokens into its own KV slot and attends to that slot's prefix plus
+its own chain or tree. Nothing is padded, so a step costs its real tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from specedge.server import tree
-from specedge.server.model import BatchLayout, CausalLM
+from specedge.server.model import CausalLM, StepBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +26,23 @@ class ForwardRequest:
     all_logits: bool = True  # logits of every new token, or of the last one only (prefill)
 
     @property
+    def num_logits(self) -> int:
+        return len(self.token_ids) if self.all_logits else 1
+
+    @property
     def positions(self) -> list[int]:
         if self.tree_parents is None:
             return list(range(self.num_cached, self.num_cached + len(self.token_ids)))
         return [self.num_cached + depth for depth in tree.depths(self.tree_parents)]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVMove:
+    """Within one slot, KV positions src[i] -> dst[i]: an accepted tree path made contiguous."""
+
+    slot: int
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
 
 
 class KVCache:
@@ -52,12 +65,14 @@ class KVCache:
         args = model.args
         return 2 * args.num_layers * model.partition.num_kv_heads * args.head_dim * torch.finfo(dtype).bits // 8
 
-    def move(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy KV rows src -> dst within one slot (tree paths made contiguous)."""
-        src_index = torch.tensor(src, device=self.k[0].device)
-        dst_index = torch.tensor(dst, device=self.k[0].device)
+    def move(self, moves: Sequence[KVMove]) -> None:
+        """Copy KV rows src -> dst within each move's slot (tree paths made contiguous), all at once."""
+        device = self.k[0].device
+        slots = torch.tensor([m.slot for m in moves for _ in m.src], device=device)
+        src = torch.tensor([i for m in moves for i in m.src], device=device)
+        dst = torch.tensor([i for m in moves for i in m.dst], device=device)
         for cache in (*self.k, *self.v):
-            cache[slot, dst_index] = cache[slot, src_index]
+            cache[slots, dst] = cache[slots, src]  # the gather copies first, so overlapping ranges are safe
 
 
 class ModelRunner:
@@ -67,54 +82,63 @@ class ModelRunner:
         self.device = kv.k[0].device
 
     @torch.inference_mode()
-    def forward(self, requests: Sequence[ForwardRequest]) -> list[torch.Tensor]:
-        """Logits per request: [len(token_ids) or 1, vocab] float32, on the runner's device.
+    def forward_packed(self, requests: Sequence[ForwardRequest]) -> torch.Tensor | None:
+        """Every request's logits, packed in request order: [sum of num_logits(r), vocab] float32.
 
-        Empty on a tensor-parallel rank other than 0, whose share of the logits went to rank 0.
+        None on a tensor-parallel rank other than 0, whose share of the logits went to rank 0.
         """
-        layout = self._layout(requests)
-        logits = self.model(layout, self.kv.k, self.kv.v)
-        if logits is None:
-            return []
-        sizes = [len(r.token_ids) if r.all_logits else 1 for r in requests]
-        return list(logits.split(sizes))
+        return self.model(self._layout(requests), self.kv.k, self.kv.v)
 
-    def move_kv(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        self.kv.move(slot, src, dst)
+    def forward(self, requests: Sequence[ForwardRequest]) -> list[torch.Tensor]:
+        """Logits per request: [num_logits(r), vocab] float32 (empty on a rank other than 0)."""
+        logits = self.forward_packed(requests)
+        return [] if logits is None else list(logits.split([r.num_logits for r in requests]))
 
-    def _layout(self, requests: Sequence[ForwardRequest]) -> BatchLayout:
-        batch = len(requests)
-        seq = max(len(r.token_ids) for r in requests)
-        num_keys = max(r.num_cached + len(r.token_ids) for r in requests)
-        token_ids = torch.zeros(batch, seq, dtype=torch.long)
-        positions = torch.zeros(batch, seq, dtype=torch.long)
-        mask = torch.zeros(batch, 1, seq, num_keys, dtype=torch.bool)
-        write_rows, write_cols, write_positions, logit_rows, logit_cols = [], [], [], [], []
-        for row, r in enumerate(requests):
+    def move_kv(self, moves: Sequence[KVMove]) -> None:
+        self.kv.move(moves)
+
+    def _layout(self, requests: Sequence[ForwardRequest]) -> StepBatch:
+        """Pack the requests' tokens into one flat batch (see StepBatch)."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        kv_slots: list[int] = []
+        kv_positions: list[int] = []
+        logit_indices: list[int] = []
+        cu_num_tokens = [0]
+        row_masks: list[torch.Tensor | None] = []
+        for r in requests:
             num_new, start = len(r.token_ids), r.num_cached
-            token_ids[row, :num_new] = torch.tensor(r.token_ids)
-            positions[row, :num_new] = torch.tensor(r.positions)
-            mask[row, 0, :num_new, :start] = True
-            mask[row, 0, :num_new, start : start + num_new] = tree.ancestor_mask(r.tree_parents, num_new)
-            mask[row, 0, num_new:, 0] = True  # padding queries need one key, or softmax gives NaN
-            write_rows += [row] * num_new
-            write_cols += range(num_new)
-            write_positions += range(start, start + num_new)
-            wanted = range(num_new) if r.all_logits else [num_new - 1]
-            logit_rows += [row] * len(wanted)
-            logit_cols += wanted
+            if start + num_new > self.kv.max_len:
+                # Checked here so that no out-of-range index ever reaches a kernel (on CUDA, a
+                # device-side assert would poison the context for every session).
+                raise ValueError(f"{start} cached + {num_new} new tokens exceed the slot's {self.kv.max_len}")
+            offset = cu_num_tokens[-1]
+            token_ids += r.token_ids
+            positions += r.positions
+            kv_slots += [r.slot] * num_new
+            kv_positions += range(start, start + num_new)
+            logit_indices += range(offset, offset + num_new) if r.all_logits else [offset + num_new - 1]
+            cu_num_tokens.append(offset + num_new)
+            row_masks.append(None if num_new == 1 else self._row_mask(r))
 
-        def on_device(values) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=torch.long).to(self.device)
+        def on_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
-        return BatchLayout(
-            token_ids=token_ids.to(self.device),
-            positions=positions.to(self.device),
-            slots=on_device([r.slot for r in requests]),
-            write_rows=on_device(write_rows),
-            write_cols=on_device(write_cols),
-            write_positions=on_device(write_positions),
-            attn_mask=mask.to(self.device),
-            logit_rows=on_device(logit_rows),
-            logit_cols=on_device(logit_cols),
+        return StepBatch(
+            token_ids=on_device(token_ids),
+            positions=on_device(positions),
+            kv_slots=on_device(kv_slots),
+            kv_positions=on_device(kv_positions),
+            logit_indices=on_device(logit_indices),
+            cu_num_tokens=tuple(cu_num_tokens),
+            slots=tuple(r.slot for r in requests),
+            num_keys=tuple(r.num_cached + len(r.token_ids) for r in requests),
+            row_masks=tuple(row_masks),
         )
+
+    def _row_mask(self, request: ForwardRequest) -> torch.Tensor:
+        """[new, cached + new] bool: every cached key, then the chain's or tree's own mask."""
+        num_new, start = len(request.token_ids), request.num_cached
+        mask = torch.ones(num_new, start + num_new, dtype=torch.bool)
+        mask[:, start:] = tree.ancestor_mask(request.tree_parents, num_new)
+        return mask.to(self.device, non_blocking=True)

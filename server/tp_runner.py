@@ -10,7 +10,7 @@ gathered logits.
     message: header [op, n], then n int64s of payload
     FORWARD       [num_requests, per request: slot, num_cached, num_tokens, all_logits, is_tree,
                    tokens..., parents of tokens 1.. (is_tree only)]
-    MOVE_KV       [slot, n, src..., dst...]
+    MOVE_KV       [num_moves, per move: slot, n, src..., dst...]
     ALLOCATE_KV   [num_slots, max_len]       (once, at start)
     STOP          []
 
@@ -32,7 +32,7 @@ import torch
 from torch import distributed as dist
 
 from specedge.server import errors
-from specedge.server.runner import ForwardRequest, ModelRunner
+from specedge.server.runner import ForwardRequest, KVMove, ModelRunner
 
 
 class Op(enum.IntEnum):
@@ -71,6 +71,25 @@ def decode_requests(values: Sequence[int]) -> list[ForwardRequest]:
     return requests
 
 
+def encode_moves(moves: Sequence[KVMove]) -> list[int]:
+    values = [len(moves)]
+    for move in moves:
+        values += [move.slot, len(move.src), *move.src, *move.dst]
+    return values
+
+
+def decode_moves(values: Sequence[int]) -> list[KVMove]:
+    stream = iter(values)
+    moves = []
+    for _ in range(next(stream)):
+        slot, n = next(stream), next(stream)
+        src = tuple(next(stream) for _ in range(n))
+        moves.append(KVMove(slot, src, tuple(next(stream) for _ in range(n))))
+    if next(stream, None) is not None:
+        raise ValueError("MOVE_KV message longer than its moves")
+    return moves
+
+
 def send_step(group: dist.ProcessGroup, op: Op, payload: Sequence[int] = ()) -> None:
     """Rank 0: broadcast one message to every rank of `group`."""
     dist.broadcast(torch.tensor([int(op), len(payload)], dtype=torch.long), src=0, group=group)
@@ -105,8 +124,7 @@ def serve_steps(make_runner: Callable[[int, int], ModelRunner], group: dist.Proc
             runner.forward(decode_requests(payload))
             num_forwards += 1
         elif op is Op.MOVE_KV:
-            slot, n = payload[:2]
-            runner.move_kv(slot, payload[2 : 2 + n], payload[2 + n :])
+            runner.move_kv(decode_moves(payload))
     return num_forwards
 
 
@@ -136,12 +154,14 @@ class TensorParallelRunner:
         self.group = group
         self.model, self.kv, self.device = local.model, local.kv, local.device
 
+    def forward_packed(self, requests: Sequence[ForwardRequest]) -> torch.Tensor | None:
+        return self._on_every_rank(Op.FORWARD, encode_requests(requests), lambda: self.local.forward_packed(requests))
+
     def forward(self, requests: Sequence[ForwardRequest]) -> list[torch.Tensor]:
         return self._on_every_rank(Op.FORWARD, encode_requests(requests), lambda: self.local.forward(requests))
 
-    def move_kv(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
-        payload = [slot, len(src), *src, *dst]
-        self._on_every_rank(Op.MOVE_KV, payload, lambda: self.local.move_kv(slot, src, dst))
+    def move_kv(self, moves: Sequence[KVMove]) -> None:
+        self._on_every_rank(Op.MOVE_KV, encode_moves(moves), lambda: self.local.move_kv(moves))
 
     def _on_every_rank(self, op: Op, payload: list[int], run_here: Callable):
         if self.group.failure is not None:

@@ -27,7 +27,7 @@ from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.loading import load_target
 from specedge.server.model import ModelArgs
 from specedge.server.parallel import TensorParallelError, load_shard, partition_for
-from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
+from specedge.server.runner import ForwardRequest, KVCache, KVMove, ModelRunner
 from specedge.server.tp_runner import TensorParallelRunner, decode_requests, encode_requests
 from specedge.types import SamplingParams
 from specedge.v1 import specedge_pb2 as pb
@@ -143,7 +143,7 @@ def test_prefill_mixed_batch_and_tree_logits_match_one_process(runners):
     [tree] = _same_logits(runners, [ForwardRequest(2, 20, (c[20], 50, 51, 60, 61), tree_parents=(0, 1, 0, 3))])
     assert tree.shape[0] == 5
     for runner in runners:
-        runner.move_kv(2, [23, 24], [21, 22])  # keep root, 60, 61
+        runner.move_kv([KVMove(2, (23, 24), (21, 22))])  # keep root, 60, 61
     _same_logits(runners, [ForwardRequest(2, 23, (62, 63)), ForwardRequest(0, len(a) + 1, (8, 9, 10))])
 
 
