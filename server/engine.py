@@ -17,15 +17,18 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
+import torch
+
 from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, PrefillChunk, SlotAllocator, StepPlan
 from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig, StepCostModel
 from specedge.server import errors, tree
 from specedge.server.auth import Caller
-from specedge.server.isolation import failure_for_client, finite_rows, run_isolated
+from specedge.server.isolation import failure_for_client, run_isolated
 from specedge.server.loading import Target
 from specedge.server.requests import DraftRound, RequestLimits, SessionRequest, TurnRequest
-from specedge.server.runner import ForwardRequest, ModelRunner
-from specedge.server.postprocess import after_prefill, after_round
+from specedge.server.draws import RowDraw, draw_rows
+from specedge.server.postprocess import after_prefill, after_round, prefill_draw, round_draw
+from specedge.server.runner import ForwardRequest, KVMove, ModelRunner
 from specedge.server.server_draft import DraftRow, ServerDrafter
 from specedge.server.session import Session
 from specedge.server.stats import ServerStats
@@ -405,18 +408,19 @@ class Engine:
             rows = []
             for work in batch:
                 context = (*work.session.prompt, *work.session.generated)
-                rows.append(DraftRow(work.session.slot, work.session.draft_cached, context[work.session.draft_cached :]))
-            return self.server_drafter.propose(rows, max(w.server_draft_tokens for w in batch))
+                cached = work.session.draft_cached
+                rows.append(DraftRow(work.session.slot, cached, context[cached:], work.server_draft_tokens))
+            return self.server_drafter.propose(rows)
 
         results = run_isolated(draft, works)
         for work, result in zip(works, results):
             if not isinstance(result, Exception):
-                work.draft_token_ids = tuple(result[: work.server_draft_tokens])
+                work.draft_token_ids = tuple(result)
                 work.draft_parents = tree.chain_parents(len(work.draft_token_ids) + 1)
         return [result if isinstance(result, Exception) else None for result in results]
 
     def step(self, rows, schedule_s: float) -> list[RoundOutcome | Exception | None]:
-        """One batched forward, then each row's verification and commit. Engine thread only.
+        """One batched forward, then every row's draws, verification and commit. Engine thread only.
 
         A row's outcome is None for a prefill chunk that is not its prompt's last, and an
         error for a row that failed: a failure stays with its row (server/isolation.py).
@@ -430,21 +434,30 @@ class Engine:
         live = [i for i, outcome in enumerate(outcomes) if outcome is None]
         requests = [self._request(*rows[i]) for i in live]
         target_started = time.monotonic()
-        logits = finite_rows(run_isolated(self.runner.forward, requests)) if requests else []
+        logits, failures = self._forward(requests)
         forward_s = time.monotonic() - started
         batch_tokens = sum(len(request.token_ids) for request in requests)
-        if not any(isinstance(row, Exception) for row in logits):  # retries would skew the cost model
+        if not any(failures):  # retries would skew the cost model
             self.cost_model.observe(
                 batch_tokens=batch_tokens, batch_rows=len(requests), seconds=time.monotonic() - target_started
             )
-
         self._budget_share += 0.25 * (min(1.0, batch_tokens / self.config.batcher.max_batch_tokens) - self._budget_share)
         self.load = self.cost_model.load(fallback=self._budget_share)
-        for i, row_logits in zip(live, logits):
-            work, chunk = rows[i]
+
+        ok = [j for j, failure in enumerate(failures) if failure is None]
+        asks = [self._draw(*rows[live[j]]) for j in ok]
+        drawn = draw_rows(logits, asks) if ok else []
+        moves: dict[int, KVMove] = {}
+        for j, failure in enumerate(failures):
+            outcomes[live[j]] = failure
+        for j, row_drawn in zip(ok, drawn):
+            work, chunk = rows[live[j]]
             timing = RoundTiming(max(0.0, started - work.queued_at), forward_s, len(rows), batch_tokens)
-            failed = isinstance(row_logits, Exception)
-            outcomes[i] = row_logits if failed else self._postprocess(work, chunk, row_logits, timing)
+            outcome = row_drawn if isinstance(row_drawn, Exception) else self._postprocess(work, chunk, row_drawn, timing)
+            if isinstance(outcome, tuple):
+                outcome, moves[live[j]] = outcome
+            outcomes[live[j]] = outcome
+        self._move_kv(moves, outcomes)
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, Exception):
                 log.error("session %s failed in the engine; closing it", rows[i][0].session.id[:8], exc_info=outcome)
@@ -459,17 +472,52 @@ class Engine:
         )
         return outcomes
 
-    def _postprocess(self, work: _Work, chunk: PrefillChunk | None, logits, timing: RoundTiming):
-        """One row's verification and commit (server/postprocess.py); a failure is returned, to stay with the row."""
+    def _forward(self, requests: list[ForwardRequest]) -> tuple[torch.Tensor | None, list[Exception | None]]:
+        """The step's packed logits of the rows that ran, and each row's failure or None.
+
+        One forward for the whole step; only when it raises are the rows bisected (server/isolation.py),
+        and the logits of those that succeed alone are packed again.
+        """
+        if not requests:
+            return None, []
+        try:
+            return self.runner.forward_packed(requests), [None] * len(requests)
+        except Exception as exc:
+            if len(requests) == 1:
+                return None, [exc]
+        half = len(requests) // 2
+        per_row = run_isolated(self.runner.forward, requests[:half]) + run_isolated(self.runner.forward, requests[half:])
+        good = [row for row in per_row if not isinstance(row, Exception)]
+        failures = [row if isinstance(row, Exception) else None for row in per_row]
+        return (torch.cat(good) if good else None), failures
+
+    def _draw(self, work: _Work, chunk: PrefillChunk | None) -> RowDraw:
+        if chunk is not None:
+            return prefill_draw(work.session, chunk)
+        return round_draw(work.session, work.draft_token_ids, work.draft_parents, work.draft_dists)
+
+    def _move_kv(self, moves: dict[int, KVMove], outcomes: list) -> None:
+        """Every accepted tree path of the step made contiguous at once; if that fails, those rows fail."""
+        if not moves:
+            return
+        try:
+            self.runner.move_kv(list(moves.values()))
+        except Exception as exc:
+            for i in moves:
+                outcomes[i] = exc
+
+    def _postprocess(self, work: _Work, chunk: PrefillChunk | None, drawn, timing: RoundTiming):
+        """One row's verification and commit (server/postprocess.py): its outcome, with its KV move
+        when it has one; a failure is returned, to stay with the row."""
         session = work.session
         try:
             if chunk is not None:
-                committed = after_prefill(session, chunk, logits, self.stats, prefill_start=work.prefill_start)
+                committed = after_prefill(session, chunk, drawn, self.stats, prefill_start=work.prefill_start)
             else:
                 self.stats.observe_queue_wait(timing.queue_s)
                 committed = after_round(
-                    session, work.draft_token_ids, work.draft_parents, work.draft_dists, logits, self.runner,
-                    self.stats, server_drafted=work.server_draft_tokens > 0,
+                    session, work.draft_token_ids, work.draft_parents, drawn, self.stats,
+                    server_drafted=work.server_draft_tokens > 0,
                 )  # fmt: skip
         except Exception as exc:
             return exc
@@ -477,7 +525,8 @@ class Engine:
             return None
         advice = min(session.speculation.next_advice(self.load), self.config.max_draft_tokens)
         num_generated = len(session.generated)
-        return RoundOutcome(committed.accepted_nodes, committed.token_ids, session.finish, num_generated, advice, timing)
+        outcome = RoundOutcome(committed.accepted_nodes, committed.token_ids, session.finish, num_generated, advice, timing)
+        return outcome if committed.kv_move is None else (outcome, committed.kv_move)
 
     async def _reap_idle(self) -> None:
         period = min(30.0, self.config.idle_timeout_s / 2)

@@ -46,14 +46,6 @@ def run_isolated(run_batch: Callable[[list[Item]], Sequence[Result]], items: lis
     return run_isolated(run_batch, items[:half]) + run_isolated(run_batch, items[half:])
 
 
-def finite_rows(logits: Sequence[torch.Tensor | Exception]) -> list[torch.Tensor | Exception]:
-    """Each row's logits [n, vocab], or NonFiniteLogits where any value is NaN or inf."""
-    return [
-        NonFiniteLogits("non-finite logits") if isinstance(row, torch.Tensor) and not torch.isfinite(row).all() else row
-        for row in logits
-    ]
-
-
 def failure_for_client(exc: BaseException) -> errors.ServiceError:
     """What an edge is told when its request failed inside the engine; its session has been closed."""
     if isinstance(exc, errors.ServiceError):

@@ -1,25 +1,25 @@
-"""After the batched forward: one row's verification and commit, given its logits.
+"""After the batched forward: what each row draws, then its verification and commit.
 
-The engine calls these on its thread, one row at a time; a row that raises
-fails alone (server/isolation.py). Everything that changes a session after a
-forward happens here: KV length, the accepted path's KV made contiguous, and
-committed tokens (through `Session.commit`, the single place tokens land).
+The engine calls these on its thread: first `*_draw` says what each row asks
+of its logits (server/draws.py answers every row in one vectorized pass),
+then `after_*` commits one row's answer; a row that raises fails alone
+(server/isolation.py). Everything that changes a session after a forward
+happens here: KV length, the accepted path's KV move (which the engine
+applies for the whole step at once), and committed tokens (through
+`Session.commit`, the single place tokens land).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from specedge.scheduler import PrefillChunk
 from specedge.server import tree
-from specedge.server.rejection import verify_chain_by_rejection
-from specedge.server.runner import ModelRunner
-from specedge.server.sampling import sample, target_probs
+from specedge.server.draws import RowDraw
+from specedge.server.runner import KVMove
 from specedge.server.session import Session
 from specedge.server.stats import ServerStats
-from specedge.server.verify import verify_by_sampling
+from specedge.server.verify import VerifyResult, verify_by_sampling
 from specedge.types import SparseDist
 
 
@@ -27,19 +27,43 @@ from specedge.types import SparseDist
 class Committed:
     accepted_nodes: tuple[int, ...]  # committed draft nodes, root to leaf
     token_ids: list[int]  # committed this step, cut at a stop
+    kv_move: KVMove | None = None  # the accepted tree path's KV, to be made contiguous (None for chains)
+
+
+def prefill_draw(session: Session, chunk: PrefillChunk) -> RowDraw:
+    """A prefill chunk's ask: the first token after the prompt, once its last chunk is in."""
+    if not chunk.is_last:
+        return RowDraw(num_logits=1, params=None)
+    return RowDraw(num_logits=1, params=session.sampling, seed=session.seed, positions=(session.prompt_len,))
+
+
+def round_draw(
+    session: Session,
+    draft_token_ids: tuple[int, ...],
+    draft_parents: tuple[int, ...],
+    draft_dists: tuple[SparseDist, ...],
+) -> RowDraw:
+    """A round's ask: the target's token after the pending token and after each draft node."""
+    # The pending token sits at sequence index num_context - 1; the sample
+    # after a node of depth d lands at num_context + d.
+    positions = tuple(session.num_context + d for d in tree.depths(draft_parents))
+    return RowDraw(
+        num_logits=1 + len(draft_token_ids), params=session.sampling, seed=session.seed, positions=positions,
+        draft_token_ids=draft_token_ids, draft_dists=draft_dists,
+    )  # fmt: skip
 
 
 def after_prefill(
-    session: Session, chunk: PrefillChunk, logits: torch.Tensor, stats: ServerStats, *, prefill_start: int = 0
+    session: Session, chunk: PrefillChunk, drawn: list[int] | None, stats: ServerStats, *, prefill_start: int = 0
 ) -> Committed | None:
-    """logits: [1, vocab] after the chunk's last token. None until the prompt's last chunk is in.
+    """None until the prompt's last chunk is in; then its first token, drawn after the prompt.
 
     `prefill_start`: prompt tokens already cached before this prefill began (a later turn).
     """
     session.num_cached = chunk.start + chunk.num_tokens
     if not chunk.is_last:
         return None
-    [first] = sample(logits, [session.prompt_len], session.sampling, session.seed)
+    [first] = drawn
     kept = session.commit([first], num_new_cached=0)
     stats.observe_prefill(num_prompt_tokens=session.prompt_len - prefill_start)
     return Committed((), kept)
@@ -49,23 +73,14 @@ def after_round(
     session: Session,
     draft_token_ids: tuple[int, ...],
     draft_parents: tuple[int, ...],
-    draft_dists: tuple[SparseDist, ...],
-    logits: torch.Tensor,  # [1 + num_drafts, vocab]: after the pending token and after each draft node
-    runner: ModelRunner,  # or a TensorParallelRunner: whatever holds the KV moves it
+    drawn: list[int] | VerifyResult,  # the target's samples after each node, or a rejection verdict
     stats: ServerStats,
     *,
     server_drafted: bool = False,
 ) -> Committed:
-    # The pending token sits at sequence index num_context - 1; the sample
-    # after a node of depth d lands at num_context + d.
-    positions = [session.num_context + d for d in tree.depths(draft_parents)]
-    if draft_dists and not session.sampling.greedy:
-        probs = target_probs(logits, session.sampling)
-        result = verify_chain_by_rejection(draft_token_ids, draft_dists, probs, positions, session.seed)
-    else:  # greedy, trees, and chains sent without q: lossless for any sampler
-        samples = sample(logits, positions, session.sampling, session.seed)
-        result = verify_by_sampling(draft_token_ids, draft_parents, samples)
-    _compact_path(runner, session, result.accepted_nodes)
+    # Greedy, trees, and chains sent without q: match the target's samples, lossless for any sampler.
+    result = drawn if isinstance(drawn, VerifyResult) else verify_by_sampling(draft_token_ids, draft_parents, drawn)
+    kv_move = _path_move(session, result.accepted_nodes)
     tokens = [draft_token_ids[node - 1] for node in result.accepted_nodes] + [result.next_token]
     if server_drafted:
         # The draft cache holds the context plus every draft but the last.
@@ -75,12 +90,13 @@ def after_round(
     accepted = result.accepted_nodes[: len(kept)]
     session.speculation.observe(len(draft_token_ids), len(result.accepted_nodes))
     stats.observe_round(num_draft_tokens=len(draft_token_ids), accepted_depth=len(accepted), num_committed=len(kept))
-    return Committed(accepted, kept)
+    return Committed(accepted, kept, kv_move)
 
 
-def _compact_path(runner: ModelRunner, session: Session, accepted_nodes: tuple[int, ...]) -> None:
-    """Make the accepted path's KV contiguous after the pending token (a no-op for chains)."""
+def _path_move(session: Session, accepted_nodes: tuple[int, ...]) -> KVMove | None:
+    """The accepted path's KV, moved to sit contiguously after the pending token (None for chains)."""
     wanted = tuple(range(1, len(accepted_nodes) + 1))
-    if accepted_nodes != wanted:
-        base = session.num_cached
-        runner.move_kv(session.slot, [base + n for n in accepted_nodes], [base + n for n in wanted])
+    if accepted_nodes == wanted:
+        return None
+    base = session.num_cached
+    return KVMove(session.slot, tuple(base + n for n in accepted_nodes), tuple(base + n for n in wanted))

@@ -12,31 +12,28 @@ far more drafts are accepted than by matching the target's own sample.
        max(p_0 - q_0, 0) = {b: 0.1} gives b.
 
 Randomness is keyed by (seed, position) as in server/sampling.py, in two
-streams: the acceptance uniform ("accept") and the Exp(1) noise of the
-residual or bonus sample (`position_noise`, the noise `sample` itself uses;
-so an empty draft yields exactly the target's seeded sample). Each position
-is decided once, so each stream's value at a position is used at most once
-and a seeded session is reproducible token for token.
+streams of specedge/noise.py: the acceptance uniform (ACCEPT_STREAM) and the
+noise of the residual or bonus sample (TARGET_STREAM, the noise `sample`
+itself uses; so an empty draft yields the target's seeded sample). Each
+position is decided once, so each stream's value at a position is used at
+most once and a seeded session is reproducible token for token.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from specedge.server.sampling import position_noise
+from specedge import noise
+from specedge.server.sampling import sample_weights
 from specedge.server.verify import VerifyResult
 from specedge.types import SparseDist
 
-ACCEPT_STREAM = "accept"
-
 
 def acceptance_uniform(seed: int, position: int) -> float:
-    """U[0, 1) for accepting the draft at `position`; independent of `position_noise`."""
-    key = hashlib.blake2b(f"{seed}:{position}:{ACCEPT_STREAM}".encode(), digest_size=8).digest()
-    return (int.from_bytes(key, "little") >> 11) / (1 << 53)  # 53 random bits: exact in a float, never 1.0
+    """U(0, 1) for accepting the draft at `position`; independent of the target's sampling noise."""
+    return noise.uniform(seed, position, noise.ACCEPT_STREAM)
 
 
 def verify_chain_by_rejection(
@@ -51,27 +48,41 @@ def verify_chain_by_rejection(
     Raises ValueError for inconsistent inputs, e.g. a draft token that its own
     distribution gives probability 0 (it cannot have been sampled from it).
     """
-    _check_inputs(draft_token_ids, draft_dists, target_probs, positions)
+    _check_inputs(draft_token_ids, draft_dists, target_probs.shape, positions)
     num_drafts = len(draft_token_ids)
     rows = torch.arange(num_drafts, device=target_probs.device)  # [n]
     drafted = torch.tensor(list(draft_token_ids), dtype=torch.long, device=target_probs.device)  # [n]
-    target_draft_probs = target_probs[rows, drafted].tolist()  # [n] p_i(x_i), one device sync for all
+    return decide_chain(
+        draft_token_ids, draft_dists, target_probs[rows, drafted].tolist(), positions, seed,
+        target_row=lambda i: target_probs[i],
+        bonus=lambda: sample_weights(target_probs[num_drafts], seed, positions[num_drafts]),
+    )  # fmt: skip
 
+
+def decide_chain(
+    draft_token_ids: Sequence[int],  # [n]
+    draft_dists: Sequence[SparseDist],  # [n]
+    target_draft_probs: Sequence[float],  # [n] p_i(x_i): the target's probability of each draft token
+    positions: Sequence[int],  # [n + 1]
+    seed: int,
+    *,
+    target_row: Callable[[int], torch.Tensor],  # i -> [V] p_i, asked for only at a rejection
+    bonus: Callable[[], int],  # the target's own sample after the last draft, asked for when all are accepted
+) -> VerifyResult:
+    """The accept/reject walk, given p at the draft tokens; the server's batched path and
+    `verify_chain_by_rejection` both run it, so they decide alike."""
     for i, (token, dist) in enumerate(zip(draft_token_ids, draft_dists)):
         # u < p / q, written without the division: accepted with probability min(1, p / q).
         if acceptance_uniform(seed, positions[i]) * dist.prob_of(token) < target_draft_probs[i]:
             continue
-        target_row = target_probs[i].double()  # [V]
-        residual = (target_row - _dense(dist, target_row)).clamp_min(0)  # [V]
+        p_row = target_row(i).double()  # [V]
+        residual = (p_row - _dense(dist, p_row)).clamp_min(0)  # [V]
         if not residual.sum() > 0:
             # Only float rounding can reject when p <= q everywhere (e.g. p == q);
             # then the residual is empty and p itself is the right fallback.
-            residual = target_row
-        accepted = tuple(range(1, i + 1))
-        return VerifyResult(accepted_nodes=accepted, next_token=_sample_at(residual, seed, positions[i]))
-
-    bonus = _sample_at(target_probs[num_drafts], seed, positions[num_drafts])
-    return VerifyResult(accepted_nodes=tuple(range(1, num_drafts + 1)), next_token=bonus)
+            residual = p_row
+        return VerifyResult(accepted_nodes=tuple(range(1, i + 1)), next_token=sample_weights(residual, seed, positions[i]))
+    return VerifyResult(accepted_nodes=tuple(range(1, len(draft_token_ids) + 1)), next_token=bonus())
 
 
 def _dense(dist: SparseDist, like: torch.Tensor) -> torch.Tensor:
@@ -81,26 +92,20 @@ def _dense(dist: SparseDist, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like).index_put_((token_ids,), probs / probs.sum())
 
 
-def _sample_at(weights: torch.Tensor, seed: int, position: int) -> int:
-    """Sample from unnormalised [V] `weights` with the exponential race `sample` uses."""
-    noise = position_noise(seed, position, weights.shape[-1]).to(device=weights.device, dtype=weights.dtype)  # [V]
-    return int((weights / noise).argmax())
-
-
 def _check_inputs(
     draft_token_ids: Sequence[int],  # [n]
     draft_dists: Sequence[SparseDist],  # [n]
-    target_probs: torch.Tensor,  # [n + 1, V]
+    target_shape: Sequence[int],  # [n + 1, V]
     positions: Sequence[int],  # [n + 1]
 ) -> None:
     num_drafts = len(draft_token_ids)
     if len(draft_dists) != num_drafts:
         raise ValueError(f"got {len(draft_dists)} draft distributions for {num_drafts} draft tokens")
-    if target_probs.dim() != 2 or target_probs.shape[0] != num_drafts + 1:
-        raise ValueError(f"target_probs must be [{num_drafts + 1}, vocab], got {list(target_probs.shape)}")
+    if len(target_shape) != 2 or target_shape[0] != num_drafts + 1:
+        raise ValueError(f"target_probs must be [{num_drafts + 1}, vocab], got {list(target_shape)}")
     if len(positions) != num_drafts + 1:
         raise ValueError(f"got {len(positions)} positions for {num_drafts + 1} rows")
-    num_vocab = target_probs.shape[1]
+    num_vocab = target_shape[1]
     for i, (token, dist) in enumerate(zip(draft_token_ids, draft_dists)):
         if not 0 <= token < num_vocab or max(dist.token_ids) >= num_vocab:
             raise ValueError(f"draft token {i} or its distribution is outside the target vocabulary [0, {num_vocab})")

@@ -26,24 +26,27 @@ class DraftRow:
     slot: int
     num_cached: int  # tokens of the context already in the draft's slot
     catch_up: tuple[int, ...]  # committed tokens not yet in it (at least the newest one)
+    num_tokens: int  # drafts wanted; each row drafts only its own, so none writes past its slot
 
 
 class ServerDrafter:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def propose(self, rows: Sequence[DraftRow], num_tokens: int) -> list[list[int]]:
-        """Greedy drafts of `num_tokens` per row, batched across rows."""
+    def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
+        """Greedy drafts of each row's `num_tokens`, batched across the rows still drafting."""
         drafts: list[list[int]] = [[] for _ in rows]
-        requests = [ForwardRequest(r.slot, r.num_cached, r.catch_up, all_logits=False) for r in rows]
-        for step in range(num_tokens):
-            logits = self.runner.forward(requests)
+        requests = {i: ForwardRequest(r.slot, r.num_cached, r.catch_up, all_logits=False) for i, r in enumerate(rows)}
+        requests = {i: request for i, request in requests.items() if rows[i].num_tokens > 0}
+        while requests:
+            logits = self.runner.forward(list(requests.values()))
             next_tokens = [int(row_logits[-1].argmax()) for row_logits in logits]
-            for draft, token in zip(drafts, next_tokens):
-                draft.append(token)
-            if step + 1 < num_tokens:
-                requests = [
-                    ForwardRequest(r.slot, r.num_cached + len(r.token_ids), (token,), all_logits=False)
-                    for r, token in zip(requests, next_tokens)
-                ]
+            following = {}
+            for (i, request), token in zip(requests.items(), next_tokens):
+                drafts[i].append(token)
+                if len(drafts[i]) < rows[i].num_tokens:
+                    following[i] = ForwardRequest(
+                        request.slot, request.num_cached + len(request.token_ids), (token,), all_logits=False
+                    )
+            requests = following
         return drafts

@@ -17,7 +17,9 @@ from specedge import wire
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
-from specedge.server.isolation import NonFiniteLogits, finite_rows, run_isolated
+from specedge.server.draws import RowDraw, draw_rows
+from specedge.types import SamplingParams
+from specedge.server.isolation import NonFiniteLogits, run_isolated
 from specedge.v1 import specedge_pb2 as pb
 
 MAX_NEW = 16
@@ -39,8 +41,12 @@ def test_bisection_isolates_each_bad_item_and_keeps_the_rest():
     assert len(calls) <= 1 + 2 * 2 * 3  # two bad items among 8: at most log2(8) levels of two halves each
     assert run_isolated(run_batch, ["x", "y"]) == ["X", "Y"] and calls[-1] == ["x", "y"]  # no failure: one batch
 
-    rows = finite_rows([torch.zeros(2, 3), torch.tensor([[0.0, float("nan")]]), torch.tensor([[float("inf")]])])
-    assert isinstance(rows[0], torch.Tensor) and all(isinstance(r, NonFiniteLogits) for r in rows[1:])
+    # A row whose logits hold NaN or inf fails alone; its neighbours in the same packed logits draw as usual.
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 1.0, 3.0], [0.0, float("nan"), 1.0], [float("inf"), 0.0, 0.0]])
+    greedy = SamplingParams()
+    drawn = draw_rows(logits, [RowDraw(2, greedy, positions=(5, 6)), RowDraw(1, greedy, positions=(9,)),
+                               RowDraw(1, SamplingParams(temperature=1.0), positions=(3,))])  # fmt: skip
+    assert drawn[0] == [1, 2] and all(isinstance(r, NonFiniteLogits) for r in drawn[1:])
 
 
 class FaultyRunner:
@@ -51,6 +57,7 @@ class FaultyRunner:
 
     def __init__(self, runner, shape_bug: int, nan: int):
         self.runner, self.kv, self.move_kv = runner, runner.kv, runner.move_kv
+        self.forward_packed = lambda requests: torch.cat(self.forward(requests))
         self.shape_bug, self.nan = shape_bug, nan
         self.batches: list[list[tuple[int, ...]]] = []  # token ids of each row of every forward attempted
         self.gate, self.entered = threading.Event(), threading.Event()

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from specedge.edge_client.drafting.base import DraftSampling, SparseDist, sample_top_k
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.rejection import acceptance_uniform, verify_chain_by_rejection
-from specedge.server.sampling import position_noise, sample, target_probs
+from specedge.server.sampling import sample, target_probs
 from specedge.server.verify import verify_by_sampling
 from specedge.types import SamplingParams
 

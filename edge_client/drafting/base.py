@@ -20,17 +20,16 @@ from __future__ import annotations
 import array
 import bisect
 import dataclasses
-import hashlib
 import itertools
 import math
 from collections.abc import Sequence
 from typing import Protocol
 
+from specedge import noise
 from specedge.tokens import TokenizerFingerprint
 from specedge.types import PROB_SUM_TOLERANCE, SparseDist  # noqa: F401  (re-exported: the edge builds them)
 
 DEFAULT_DRAFT_TOP_K = 20
-DRAFT_STREAM = "draft"  # keeps draft noise apart from the server's streams for the same seed
 
 @dataclasses.dataclass(frozen=True)
 class DraftSampling:
@@ -152,6 +151,5 @@ def sample_top_k(
 
 
 def _keyed_uniform(seed: int, position: int) -> float:
-    """U[0, 1), a pure function of (seed, position) in the draft's own stream."""
-    key = hashlib.blake2b(f"{seed}:{position}:{DRAFT_STREAM}".encode(), digest_size=8).digest()
-    return (int.from_bytes(key, "little") >> 11) / (1 << 53)  # 53 random bits: exact in a float, never 1.0
+    """U(0, 1), a pure function of (seed, position) in the draft's own stream (specedge/noise.py)."""
+    return noise.uniform(seed, position, noise.DRAFT_STREAM)

@@ -1,0 +1,74 @@
+"""Counter-based sampling noise: a pure function of (seed, position, stream, token id).
+
+Every random number SpecEdge samples with comes from here, on the server and on
+the edge alike. Nothing is drawn from a generator's state, so a sampled token
+depends only on its seed, its position in the sequence and the distribution
+it is drawn from: never on how many drafts were verified around it, which
+rows shared its batch, or which device ran it.
+
+The hash is written with nothing but `^`, `>>`, `*` and `&` on non-negative
+integers below 2**32, and every product stays below 2**63. The same code
+therefore runs, bit for bit, on Python ints, numpy int64 arrays and torch
+int64 tensors on any device, so a llama.cpp edge needs neither torch nor this
+module's callers' dtypes to reproduce the server's noise.
+
+    key  = row_key(seed, position, stream)        # one per sampled position (Python int)
+    bits = token_bits(key, token_ids)              # [V] uniform 32-bit integers, vectorized
+    u    = (bits + 0.5) / 2**32                    # in (0, 1), never 0 or 1
+    gumbel = -log(-log(u))                         # exponential race: argmax(log w + gumbel) ~ w
+
+`GUMBEL_MAX` bounds every value the noise can take, which lets a sampler skip
+tokens that cannot win (server/sampling.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TypeVar
+
+MASK32 = 0xFFFFFFFF
+# An odd multiplier below 2**31: (x < 2**32) * _MUL < 2**63, so int64 arithmetic never overflows.
+_MUL = 0x45D9F3B
+_TOKEN_SALT = 0x6A09E667  # keeps token 0 from hashing like an absent token
+
+# Streams: independent noise for the same (seed, position).
+TARGET_STREAM = 0x7A7  # the target's own sample (server/sampling.py), and the bonus or residual token
+ACCEPT_STREAM = 0xACC  # the uniform that accepts or rejects a draft token (server/rejection.py)
+DRAFT_STREAM = 0xD7A  # an edge's sampled draft token (edge_client/drafting/base.py)
+
+# The largest Gumbel value 32-bit noise can give: u = 1 - 2**-33 -> -log(-log(u)) = 22.87.
+GUMBEL_MAX = 23.0
+
+Ints = TypeVar("Ints")  # a Python int, a numpy int64 array or a torch int64 tensor
+
+
+def mix32(x: Ints) -> Ints:
+    """A bijective avalanche mix of 32-bit values (x in [0, 2**32))."""
+    x = ((x >> 16) ^ x) * _MUL & MASK32
+    x = ((x >> 16) ^ x) * _MUL & MASK32
+    return (x >> 16) ^ x
+
+
+def row_key(seed: int, position: int, stream: int) -> int:
+    """The key of one sampled position: its seed (any int), its sequence index and its stream."""
+    seed &= (1 << 64) - 1
+    key = mix32((seed & MASK32) ^ _TOKEN_SALT)
+    key = mix32(key ^ (seed >> 32))
+    key = mix32(key ^ (position & MASK32))
+    return mix32(key ^ stream)
+
+
+def token_bits(key: Ints, token_ids: Ints) -> Ints:
+    """Uniform 32-bit integers, one per token id (both may be arrays of the same shape, or broadcast)."""
+    return mix32(key ^ mix32((token_ids + _TOKEN_SALT) & MASK32))
+
+
+def uniform(seed: int, position: int, stream: int) -> float:
+    """U(0, 1) for one position of a stream (a Python float, exact in float32 and float64)."""
+    return (token_bits(row_key(seed, position, stream), 0) + 0.5) / 2**32
+
+
+def gumbel(seed: int, position: int, stream: int, token_id: int) -> float:
+    """The Gumbel noise of one token at one position, in Python floats (the edge's scalar path)."""
+    u = (token_bits(row_key(seed, position, stream), token_id) + 0.5) / 2**32
+    return -math.log(-math.log(u))
