@@ -6,17 +6,21 @@ Every step takes whatever is waiting; nothing waits for a quorum of edges
 - rounds (a verify round or a decode step): latency-critical and small, so
   they go first, oldest first, until the step's token or row budget is spent;
 - prefills: a new prompt, cut into chunks that fill what the rounds left.
-  While a prefill waits, `prefill_reserve` tokens of each step are kept for
-  it, so a stream of rounds cannot starve it, and a long prompt never stalls
-  the rounds for more than one chunk's worth of compute.
+  While a prefill waits, `prefill_reserve` tokens and one row of each step
+  are kept for it, so a stream of rounds cannot starve it. A step that
+  carries rounds stays near the cost curve's knee (`knee_tokens`, measured
+  by the engine: past it every token costs its full compute), so rounds
+  never wait behind a large chunk; a step with no rounds takes the whole
+  budget.
 
 A single round larger than the budget still runs, alone. A session has at
 most one piece of work queued at a time (the engine enforces it), so its
 rounds are served in the order it sent them.
 
-    budget 64, reserve 16; queued: round A (5), round B (40), prefill P (300)
+    budget 64, reserve 16, no knee known; queued: round A (5), round B (40), prefill P (300)
     step 1: A, B (45 <= 64 - 16), then P[0:19]   (what is left: 64 - 45)
     step 2: P[19:83]                             (no rounds waiting)
+    with a knee of 50 tokens, step 1 is A, B, then P[0:16] (the reserve: 50 - 45 < 16)
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class Batcher:
         self.config = config
         self._rounds: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # key -> tokens
         self._prefills: collections.OrderedDict[Hashable, _Prefill] = collections.OrderedDict()
+        # Tokens where a step's cost turns compute-bound (the engine's measured cost curve); None: unknown.
+        self.knee_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self._rounds) + len(self._prefills)
@@ -96,10 +102,11 @@ class Batcher:
         """Take the next step's work out of the queues."""
         config = self.config
         reserve = config.prefill_reserve if self._prefills else 0
+        max_round_rows = config.max_batch_rows - (1 if self._prefills and config.max_batch_rows > 1 else 0)
         rounds: list[Hashable] = []
         tokens = 0
         for key, num_tokens in self._rounds.items():
-            if len(rounds) == config.max_batch_rows:
+            if len(rounds) == max_round_rows:
                 break
             if rounds and tokens + num_tokens > config.max_batch_tokens - reserve:
                 break
@@ -110,6 +117,8 @@ class Batcher:
 
         prefills: list[PrefillChunk] = []
         budget = max(config.max_batch_tokens - tokens, reserve)
+        if rounds and self.knee_tokens is not None:
+            budget = min(budget, max(self.knee_tokens - tokens, reserve))
         for prefill in self._prefills.values():
             if budget <= 0 or len(rounds) + len(prefills) == config.max_batch_rows:
                 break

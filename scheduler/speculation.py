@@ -117,6 +117,15 @@ class StepCostModel:
         a = max(0.0, mean_y - b * mean_x)
         return a, b
 
+    def knee_tokens(self) -> int | None:
+        """Tokens where a step's per-token cost b * tokens reaches its fixed cost a: up to there a
+        step costs at most twice a one-token step. None while unknown, or when tokens are free (b = 0)."""
+        fitted = self.fit()
+        if fitted is None or fitted[1] <= 0:
+            return None
+        a, b = fitted
+        return max(1, round(a / b))
+
     def load(self, fallback: float) -> float:
         fitted = self.fit()
         if fitted is None:

@@ -441,6 +441,7 @@ class Engine:
             self.cost_model.observe(
                 batch_tokens=batch_tokens, batch_rows=len(requests), seconds=time.monotonic() - target_started
             )
+            self.batcher.knee_tokens = self.cost_model.knee_tokens()
         self._budget_share += 0.25 * (min(1.0, batch_tokens / self.config.batcher.max_batch_tokens) - self._budget_share)
         self.load = self.cost_model.load(fallback=self._budget_share)
 

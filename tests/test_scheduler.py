@@ -148,3 +148,36 @@ def test_step_cost_model_needs_varied_steps_and_free_tokens_mean_no_load():
     for tokens in (1, 4, 16, 64):
         memory_bound.observe(batch_tokens=tokens, batch_rows=1, seconds=0.02)
     assert memory_bound.load(fallback=0.9) == 0.0
+
+
+def test_a_waiting_prefill_always_gets_a_row():
+    """Rounds enough to fill every row leave one for the prefill (the reserve once counted only tokens)."""
+    batcher = Batcher(BatcherConfig(max_batch_tokens=512, max_batch_rows=4, prefill_reserve=8))
+    for key in "abcdef":
+        batcher.add_round(key, 2)
+    batcher.add_prefill("p", 30)
+    plan = batcher.plan_step()
+    assert plan.rounds == ["a", "b", "c"] and [(c.key, c.start, c.num_tokens) for c in plan.prefills] == [("p", 0, 30)]
+    assert plan.num_rows == 4
+
+
+def test_rounds_keep_a_step_near_the_knee():
+    """With the knee known, a chunk beside rounds fills only up to it (never below the reserve);
+    without rounds the prefill takes the whole budget."""
+    batcher = Batcher(BatcherConfig(max_batch_tokens=512, prefill_reserve=16))
+    batcher.knee_tokens = 60
+    batcher.add_round("a", 5)
+    batcher.add_round("b", 5)
+    batcher.add_prefill("p", 1000)
+    assert [c.num_tokens for c in batcher.plan_step().prefills] == [50]  # 60 - 10
+    batcher.add_round("a", 50)
+    assert [c.num_tokens for c in batcher.plan_step().prefills] == [16]  # the reserve
+    assert [c.num_tokens for c in batcher.plan_step().prefills] == [512]  # no rounds
+
+
+def test_the_knee_comes_from_the_measured_cost_curve():
+    model = StepCostModel(min_steps=4)
+    assert model.knee_tokens() is None
+    for tokens in (1, 5, 10, 40, 80):
+        model.observe(batch_tokens=tokens, batch_rows=1, seconds=0.2 + 0.01 * tokens)  # a = 0.2, b = 0.01
+    assert model.knee_tokens() == 20
