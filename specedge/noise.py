@@ -27,8 +27,8 @@ import math
 from typing import TypeVar
 
 MASK32 = 0xFFFFFFFF
-# An odd multiplier below 2**31: (x < 2**32) * _MUL < 2**63, so int64 arithmetic never overflows.
-_MUL = 0x45D9F3B
+# An odd multiplier below 2**31: (x < 2**32) * MIX_MULTIPLIER < 2**63, so int64 arithmetic never overflows.
+MIX_MULTIPLIER = 0x45D9F3B
 _TOKEN_SALT = 0x6A09E667  # keeps token 0 from hashing like an absent token
 
 # Streams: independent noise for the same (seed, position).
@@ -44,8 +44,8 @@ Ints = TypeVar("Ints")  # a Python int, a numpy int64 array or a torch int64 ten
 
 def mix32(x: Ints) -> Ints:
     """A bijective avalanche mix of 32-bit values (x in [0, 2**32))."""
-    x = ((x >> 16) ^ x) * _MUL & MASK32
-    x = ((x >> 16) ^ x) * _MUL & MASK32
+    x = ((x >> 16) ^ x) * MIX_MULTIPLIER & MASK32
+    x = ((x >> 16) ^ x) * MIX_MULTIPLIER & MASK32
     return (x >> 16) ^ x
 
 
@@ -60,7 +60,12 @@ def row_key(seed: int, position: int, stream: int) -> int:
 
 def token_bits(key: Ints, token_ids: Ints) -> Ints:
     """Uniform 32-bit integers, one per token id (both may be arrays of the same shape, or broadcast)."""
-    return mix32(key ^ mix32((token_ids + _TOKEN_SALT) & MASK32))
+    return mix32(key ^ token_hash(token_ids))
+
+
+def token_hash(token_ids: Ints) -> Ints:
+    """The key-independent half of `token_bits`: a sampler may tabulate it once per vocabulary."""
+    return mix32((token_ids + _TOKEN_SALT) & MASK32)
 
 
 def uniform(seed: int, position: int, stream: int) -> float:

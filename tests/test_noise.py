@@ -80,3 +80,15 @@ def test_tiny_temperature_is_the_argmax_not_garbage():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(2)) * 10
     tokens = sample(logits, range(8), SamplingParams(temperature=1e-39), seed=3)
     assert tokens == logits.argmax(-1).tolist()
+
+
+def test_the_servers_int32_lanes_give_the_same_bits():
+    """server/sampling.py hashes in int32 lanes for speed; it must agree with the plain definition."""
+    from specedge.server.sampling import token_bits
+
+    keys = torch.tensor([noise.row_key(s, p, noise.TARGET_STREAM) for s in (0, 7, 2**63 - 1) for p in (0, 1, 99_999)])
+    tokens = torch.arange(0, 151_936, 37)
+    fast = token_bits(keys[:, None], tokens[None])  # table lookup (many tokens)
+    few = token_bits(keys, tokens[: len(keys)])  # direct hash (few tokens)
+    assert fast.tolist() == [[noise.token_bits(int(k), int(t)) for t in tokens] for k in keys]
+    assert few.tolist() == [noise.token_bits(int(k), int(t)) for k, t in zip(keys, tokens[: len(keys)])]
