@@ -159,7 +159,8 @@ def race(
     peaked_rows = (~flat).nonzero().squeeze(1)
     if len(peaked_rows):
         winners[peaked_rows] = _race_gathered(
-            logits[peaked_rows], in_reach[peaked_rows], values[peaked_rows], temperature[peaked_rows], keys[peaked_rows]
+            logits[peaked_rows], in_reach[peaked_rows], values[peaked_rows], temperature[peaked_rows],
+            keys[peaked_rows], top[peaked_rows],
         )  # fmt: skip
     flat_rows = flat.nonzero().squeeze(1)
     for chunk in flat_rows.split(_DENSE_CHUNK_ROWS):
@@ -189,6 +190,7 @@ def _race_gathered(
     values: torch.Tensor,  # [R] float64
     temperature: torch.Tensor,  # [R] float64
     keys: torch.Tensor,  # [R] int64
+    top: torch.Tensor,  # [R] int64 argmax: the answer of a row with nothing in reach (a greedy row)
 ) -> torch.Tensor:  # [R] int64
     rows, tokens = in_reach.nonzero(as_tuple=True)  # row-major: tokens ascending within a row
     scores = (logits[rows, tokens].double() - values[rows]) / temperature[rows] + gumbel(keys[rows], tokens)
@@ -197,7 +199,7 @@ def _race_gathered(
     winner_rows, winner_tokens = rows[is_best], tokens[is_best]
     first = torch.ones_like(winner_rows, dtype=torch.bool)
     first[1:] = winner_rows[1:] != winner_rows[:-1]
-    winners = torch.empty_like(values, dtype=torch.long)
+    winners = top.clone()
     winners[winner_rows[first]] = winner_tokens[first]
     return winners
 

@@ -92,3 +92,16 @@ def test_the_servers_int32_lanes_give_the_same_bits():
     few = token_bits(keys, tokens[: len(keys)])  # direct hash (few tokens)
     assert fast.tolist() == [[noise.token_bits(int(k), int(t)) for t in tokens] for k in keys]
     assert few.tolist() == [noise.token_bits(int(k), int(t)) for k, t in zip(keys, tokens[: len(keys)])]
+
+
+def test_greedy_rows_beside_sampled_rows_keep_their_argmax():
+    """A step mixes greedy and sampled rows in one race; a greedy row takes no part (it had garbage once)."""
+    from specedge.server.draws import RowDraw, draw_rows
+
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(4))
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
+    rows = [RowDraw(2, greedy, positions=(3, 4)), RowDraw(2, sampled, seed=5, positions=(3, 4)),
+            RowDraw(2, greedy, positions=(8, 9))]  # fmt: skip
+    drawn = draw_rows(logits, rows)
+    assert drawn[0] == logits[:2].argmax(-1).tolist() and drawn[2] == logits[4:].argmax(-1).tolist()
+    assert drawn[1] == sample(logits[2:4], [3, 4], sampled, seed=5)
