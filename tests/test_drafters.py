@@ -10,6 +10,7 @@ logits, for reproducibility, and for following that distribution.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib.resources
 import pathlib
 import subprocess
@@ -17,6 +18,8 @@ import sys
 
 import pytest
 import torch
+from p_min import confident_length, keeps_an_unlikely_draw, min_prob_between
+from test_rejection import MIN_P_VALUE, chi_square_p_value
 from transformers import AutoModelForCausalLM
 
 from specedge.edge_client.drafting import DraftChain, load_drafter
@@ -24,6 +27,7 @@ from specedge.edge_client.drafting.base import DraftSampling, SparseDist, sample
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.tokenizer import HFTokenizer, load_tokenizer
 from specedge.registry import ResolvedModel
+from specedge.server.rejection import verify_chain_by_rejection
 
 IM_START, IM_END = 1, 2  # tiny tokenizer: special tokens are trained first, in order
 TINY_MAX_POSITIONS = 1024  # tiny_models.save_tiny_model's max_position_embeddings
@@ -267,6 +271,63 @@ def test_torch_greedy_unchanged_by_sampling_support(tiny_target_dir, prompt_ids)
     assert drafter.propose(prompt_ids, 0, SAMPLING) == DraftChain(token_ids=(), probs=(), dists=())
 
 
+# --- --draft-p-min with sampled drafts ---------------------------------------------------------
+
+P_MIN_SAMPLING = DraftSampling(temperature=1.0, top_k=4)
+
+
+def first_answer_tokens(drafter, prompt, min_prob: float, target: torch.Tensor, num_seeds: int) -> collections.Counter:
+    """The answer's first token for seeds 0..num_seeds-1: the edge drafts one sampled token (none
+    where min_prob stops the chain), the server verifies it by rejection against `target` ([vocab])."""
+    counts: collections.Counter[int] = collections.Counter()
+    for seed in range(num_seeds):
+        chain = drafter.propose(prompt, 1, dataclasses.replace(P_MIN_SAMPLING, seed=seed), min_prob)
+        num_drafts = len(chain.token_ids)
+        rows = target.repeat(num_drafts + 1, 1)  # [num_drafts + 1, vocab]; the bonus row is never the first token
+        positions = range(len(prompt), len(prompt) + num_drafts + 1)
+        result = verify_chain_by_rejection(list(chain.token_ids), list(chain.dists), rows, positions, seed)
+        counts[chain.token_ids[0] if result.accepted_nodes else result.next_token] += 1
+    return counts
+
+
+def assert_p_min_keeps_sampled_drafts_lossless(drafter, prompt, num_vocab: int, num_seeds: int) -> float:
+    """With min_prob between the likeliest and the second-likeliest draft token's probability, the
+    answer's first token still follows the target; returns the chi-square p-value.
+
+    The target is uniform on q's k tokens. Deciding the stop from the drawn token (the bug) sends a
+    draft only when it is the likeliest, and the server, which assumes plain q, then gives that token
+    P = 1/k * (2 - q_max) instead of 1/k (.41 instead of .25 for the tiny model's q).
+    """
+    greedy = drafter.propose(prompt, 1)
+    min_prob = (greedy.probs[0] + greedy.runner_up_probs[0]) / 2
+    q = drafter.propose(prompt, 1, P_MIN_SAMPLING).dists[0]
+    target = torch.zeros(num_vocab)  # flatter than q: the likeliest draft is often rejected, the residual used
+    target[list(q.token_ids)] = 1 / len(q.token_ids)
+    counts = first_answer_tokens(drafter, prompt, min_prob, target, num_seeds)
+    p_value = chi_square_p_value(counts, {token: 1 / len(q.token_ids) for token in q.token_ids}, num_seeds)
+    assert p_value > MIN_P_VALUE, (p_value, counts)
+    return p_value
+
+
+def test_torch_p_min_keeps_sampled_drafts_lossless(tiny_target_dir, prompt_ids, one_thread):
+    assert_p_min_keeps_sampled_drafts_lossless(TorchDrafter(tiny_target_dir), prompt_ids, 384, num_seeds=2000)
+
+
+def test_torch_p_min_cuts_sampled_chains_on_confidence_not_on_the_draw(tiny_target_dir, prompt_ids):
+    drafter = TorchDrafter(tiny_target_dir)
+    drafter.propose(prompt_ids, 1)  # the prompt is cached: every call below evaluates alike, to the bit
+    num_told_apart = 0
+    for seed in range(10):
+        sampling = dataclasses.replace(P_MIN_SAMPLING, seed=seed)
+        full = drafter.propose(prompt_ids, 8, sampling)
+        min_prob = min_prob_between(full, quantile=0.25)
+        cut = drafter.propose(prompt_ids, 8, sampling, min_prob)
+        length = confident_length(full, min_prob)
+        assert (cut.token_ids, cut.dists) == (full.token_ids[:length], full.dists[:length])
+        num_told_apart += keeps_an_unlikely_draw(full, min_prob)
+    assert num_told_apart >= 3  # chains that a cut at the drawn token's own probability would end sooner
+
+
 # --- the real SmolLM2-135M GGUF, through llama.cpp -------------------------------------------
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -429,6 +490,14 @@ def test_llama_cpp_sampled_first_token_follows_q(smollm2_path, smollm2_prompt):
 
     drafter = LlamaCppDrafter(smollm2_path, n_ctx=512, n_threads=1)  # one-token calls: threads only contend
     assert_first_token_follows_q(drafter, smollm2_prompt, num_seeds=300, tolerance=0.1)
+
+
+@pytest.mark.real_model
+def test_llama_cpp_p_min_keeps_sampled_drafts_lossless(smollm2_path, smollm2_prompt):
+    from specedge.edge_client.drafting.llama_cpp import LlamaCppDrafter
+
+    drafter = LlamaCppDrafter(smollm2_path, n_ctx=512, n_threads=1)  # one-token calls: threads only contend
+    assert_p_min_keeps_sampled_drafts_lossless(drafter, smollm2_prompt, drafter._num_vocab, num_seeds=500)
 
 
 @pytest.mark.real_model

@@ -111,9 +111,15 @@ class Drafter(Protocol):
 
         `context` is every committed token, prompt included. The drafter's
         cache afterwards holds `context` plus all but the last drafted token.
-        The chain stops before the first token whose draft probability is
-        below `min_prob` (llama.cpp's --draft-p-min): unlikely drafts are
-        rarely accepted and cost verification compute.
+        The chain stops at the first position where the draft's largest
+        probability is below `min_prob` (llama.cpp's --draft-p-min): an
+        unsure draft is rarely accepted and costs verification compute.
+        The stop is decided before the token is drawn, from the context
+        alone, never from the drawn token's own probability: a sampled
+        draft sent only when it is likely would follow q restricted to its
+        likely tokens, not the q the server's rejection test assumes, and
+        the output would no longer follow the target. (For greedy chains
+        the two rules agree: the token drawn is the likeliest.)
         """
         ...
 
