@@ -151,10 +151,19 @@ def sample_top_k(
     probs = array.array("f", (w / sum(weights) for w in weights)).tolist()
     kept = [(token, prob) for (_, token), prob in zip(ranked, probs) if prob > 0]
     dist = SparseDist(token_ids=tuple(t for t, _ in kept), probs=tuple(p for _, p in kept))
+    return draw(dist, sampling.seed, position), dist
+
+
+def draw(dist: SparseDist, seed: int, position: int) -> int:
+    """The token of `dist` that the draft's keyed uniform for (seed, position) picks.
+
+    A pure function of the q that is sent: whoever holds a sampled draft's q
+    can check that the draft was drawn from it.
+    """
     # Inverse CDF: the first token whose cumulative probability exceeds u * total.
     cumulative = list(itertools.accumulate(dist.probs))
-    index = bisect.bisect_right(cumulative, _keyed_uniform(sampling.seed, position) * cumulative[-1])
-    return dist.token_ids[min(index, len(cumulative) - 1)], dist
+    index = bisect.bisect_right(cumulative, _keyed_uniform(seed, position) * cumulative[-1])
+    return dist.token_ids[min(index, len(cumulative) - 1)]
 
 
 def _keyed_uniform(seed: int, position: int) -> float:
