@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specedge.types import FinishReason
 
 if TYPE_CHECKING:
     from specedge.edge_client.answer import AnswerResult
+
+# Token ids and token counts travel as uint32 (protos/specedge/v1): bounded here, a value past it is a
+# 400 naming its field, not a protobuf ValueError deep inside the answer (a 500).
+UINT32_END = 2**32
 
 
 class APIError(Exception):
@@ -61,10 +65,10 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=UINT32_END)
     temperature: float | None = Field(None, ge=0, le=2)  # None: the edge's --temperature (default 0, greedy)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # an extension, as in vLLM (pass it in extra_body)
+    top_k: int | None = Field(None, ge=0, lt=UINT32_END)  # an extension, as in vLLM (pass it in extra_body)
     seed: int | None = Field(None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -121,7 +125,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens; wins over it
+    max_completion_tokens: int | None = Field(None, ge=1, lt=UINT32_END)  # the newer name of max_tokens; wins over it
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -156,6 +160,16 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _token_ids_fit_the_wire(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        # Not list[Annotated[int, Field(ge=0)]]: inside the union, pydantic would report first that
+        # the prompt is not a string. (Ids past the target's vocabulary are the server's to refuse.)
+        for index, token in enumerate(prompt if isinstance(prompt, list) else ()):
+            if isinstance(token, int) and not 0 <= token < UINT32_END:
+                raise ValueError(f"token id {token} at index {index} is not in [0, 2^32)")
+        return prompt
 
     def check_supported(self) -> None:
         super().check_supported()

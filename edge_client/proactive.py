@@ -137,8 +137,10 @@ class ProactiveRound:
             started = time.perf_counter()
             if guess.bonus is None:  # the drafter's next token stands in for the server's bonus
                 bonus = self._extend(context + committed, DraftChain((), ()))
-                if bonus is None or not bonus.token_ids:
-                    return
+                if bonus is None:
+                    return  # the reply is in: abandon
+                if not bonus.token_ids:
+                    continue  # the drafter is unsure of its next token (min_prob): no guess to draft after
                 committed.append(bonus.token_ids[0])
             else:
                 committed.append(guess.bonus)

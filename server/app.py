@@ -20,7 +20,7 @@ from specedge.server.auth import Authenticator
 from specedge.server.decoding import LenientDecoding
 from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.engine import Engine, EngineConfig
-from specedge.server.limits import RateLimitConfig, RoundRateLimiter
+from specedge.server.limits import DEFAULT_MAX_ATTACH_PER_IDENTITY, AttachLimiter, RateLimitConfig, RoundRateLimiter
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import MATMUL_KINDS, resolve_matmul
 from specedge.server.metrics import start_metrics_server, stop_metrics_server
@@ -69,6 +69,9 @@ class ServerConfig:
     transport: TransportConfig = TransportConfig()  # TLS, message size, connection limits
     auth_tokens: str | None = None  # token file (server/auth.py); None: no tokens, sessions bound to connections
     rate_limit: RateLimitConfig = RateLimitConfig()  # rounds per second per identity
+    # Attach streams open at once per identity (without tokens, per connection): each is a call in
+    # progress for as long as its connection lives, so uncapped, one identity could take them all.
+    max_attach_per_identity: int = DEFAULT_MAX_ATTACH_PER_IDENTITY
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -79,6 +82,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics port must be in 0..65535, got {self.metrics_port}")
+        if self.max_attach_per_identity < 1:
+            raise ValueError(f"max Attach streams per identity must be >= 1, got {self.max_attach_per_identity}")
         self.transport.check_exposure(self.host)
 
     def torch_device(self) -> torch.device:
@@ -135,6 +140,7 @@ class SpecEdgeServer:
         self._health: health.aio.HealthServicer | None = None
         self._metrics = None  # the metrics HTTP server, when metrics_port is set
         self.announcer: Announcer | None = None  # the fleet control plane, when config.fleet is set
+        self.service: SpecEdgeService | None = None  # the gRPC handlers and their limiters, once started
         self.port: int | None = None
         self.metrics_port: int | None = None
 
@@ -210,13 +216,14 @@ class SpecEdgeServer:
             interceptors=[LenientDecoding(f"/{SERVICE_NAME}/")],
             maximum_concurrent_rpcs=transport.max_concurrent_rpcs,
         )
-        service = SpecEdgeService(
+        self.service = SpecEdgeService(
             self.engine,
             authenticator=self.authenticator,
             rate_limiter=RoundRateLimiter(self.config.rate_limit),
+            attach_limiter=AttachLimiter(self.config.max_attach_per_identity),
             transport=transport,
         )
-        specedge_pb2_grpc.add_SpecEdgeServicer_to_server(service, self._grpc)
+        specedge_pb2_grpc.add_SpecEdgeServicer_to_server(self.service, self._grpc)
         # Load balancers and `grpc_health_probe` ask "" (the whole server) or the service by name.
         self._health = health.aio.HealthServicer()
         for service in ("", SERVICE_NAME):

@@ -15,7 +15,7 @@ import sys
 from specedge.fleet.broker import FleetError, add_broker_options
 from specedge.server.distributed import ParallelConfig, RankFailure, RankSpec, torchrun_rank, worker_main
 from specedge.server.engine import EngineConfig
-from specedge.server.limits import RateLimitConfig
+from specedge.server.limits import DEFAULT_MAX_ATTACH_PER_IDENTITY, RateLimitConfig
 from specedge.server.transport import TransportConfig
 
 
@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     limits.add_argument("--round-burst", type=int, default=32, help="rounds an identity may send at once")
     limits.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest request or reply")
     limits.add_argument("--max-concurrent-rpcs", type=int, default=1024, help="calls in progress, streams included")
+    limits.add_argument(
+        "--max-attach-per-identity", type=int, default=DEFAULT_MAX_ATTACH_PER_IDENTITY,
+        help="Attach streams (one per edge connection) open at once per identity",
+    )  # fmt: skip
     limits.add_argument(
         "--idle-connection-timeout", type=float, default=600.0,
         help="seconds before a connection with no call in progress is closed (0: never)",
@@ -154,6 +158,7 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
         ),
         auth_tokens=args.auth_tokens,
         rate_limit=RateLimitConfig(rounds_per_s=args.max_rounds_per_second, burst=args.round_burst),
+        max_attach_per_identity=args.max_attach_per_identity,
     )
     server = SpecEdgeServer(config)
     stop = asyncio.Event()

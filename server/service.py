@@ -23,7 +23,7 @@ from specedge.server import errors
 from specedge.server.auth import Authenticator, Caller
 from specedge.server.decoding import Malformed
 from specedge.server.engine import Engine, RoundOutcome
-from specedge.server.limits import RoundRateLimiter
+from specedge.server.limits import AttachLimiter, RoundRateLimiter
 from specedge.server.requests import RequestValidator
 from specedge.server.transport import TransportConfig
 from specedge.types import FinishReason
@@ -86,11 +86,13 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
         *,
         authenticator: Authenticator,
         rate_limiter: RoundRateLimiter,
+        attach_limiter: AttachLimiter,
         transport: TransportConfig,
     ):
         self.engine = engine
         self.authenticator = authenticator
         self.rate_limiter = rate_limiter
+        self.attach_limiter = attach_limiter
         self.fingerprint = engine.target.fingerprint
         self.requests = RequestValidator(engine.config.request_limits(engine.vocab_size), self.fingerprint)
         self.limits = self._limits(transport)
@@ -109,6 +111,7 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
             max_message_bytes=transport.max_message_bytes,
             idle_session_timeout_s=config.idle_timeout_s,
             idle_connection_timeout_s=transport.idle_connection_timeout_s or 0.0,
+            max_attach_streams_per_identity=self.attach_limiter.max_per_identity,
         )
 
     def _admit_round(self, caller: Caller) -> None:
@@ -177,12 +180,18 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
 
     @_rpc
     async def Attach(self, request: pb.AttachRequest, context, caller: Caller):
+        try:
+            self.attach_limiter.acquire(caller.identity)
+        except errors.ResourceExhausted:
+            self.engine.stats.observe_refused("attach_limit")
+            raise
         self.engine.attach(caller.connection)
         try:
             await asyncio.Event().wait()  # until the client goes away or the server stops
             yield pb.ServerNotice()  # never reached; makes this an async generator
         finally:
             self.engine.detach(caller.connection)
+            self.attach_limiter.release(caller.identity)
 
 
 def _generate_reply(outcome: RoundOutcome) -> pb.GenerateResponse:

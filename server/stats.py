@@ -104,7 +104,7 @@ class ServerStats:
             self.sessions_rejected += 1
 
     def observe_refused(self, reason: str) -> None:
-        """A call refused by policy: unauthenticated, rate_limited or session_limit."""
+        """A call refused by policy: unauthenticated, rate_limited, session_limit or attach_limit."""
         with self._lock:
             self.requests_refused[reason] += 1
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import grpc
 
 from specedge.edge_client.channel import ChannelSecurity, open_channel
@@ -51,3 +54,11 @@ async def status_of(coro, *, with_trailers: bool = False):
             return exc.code(), exc.details(), dict(exc.trailing_metadata() or ())
         return exc.code(), exc.details()
     return (grpc.StatusCode.OK, "", {}) if with_trailers else (grpc.StatusCode.OK, "")
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for the server to get somewhere (its state is polled; it runs on another thread)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting for the server"
+        await asyncio.sleep(0.01)

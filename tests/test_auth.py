@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from harness import ServerThread, make_pki, start_server_process
-from raw_edge import PROMPT, Edge, status_of
+from raw_edge import PROMPT, Edge, status_of, until
 from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.channel import ChannelSecurity, open_channel
@@ -281,6 +281,34 @@ def test_tokens_rotate_and_revoke_without_a_restart(tiny_target_dir, tmp_path, f
     ok = grpc.StatusCode.OK
     assert codes == [(ok, UNAUTHENTICATED), (ok, ok), (UNAUTHENTICATED, ok), (UNAUTHENTICATED, ok)]
     assert len(reply.token_ids) >= 1
+
+
+def test_attach_streams_are_capped_per_identity_over_all_its_connections(tiny_target_dir, tokens, fingerprint):
+    config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=64, auth_tokens=tokens["file"],
+                          max_attach_per_identity=2)  # fmt: skip
+    fp = wire.fingerprint_to_proto(fingerprint)
+
+    async def run(address, limiter):
+        alice = [Edge(address, fp, ChannelSecurity(token=tokens["alice"])) for _ in range(3)]  # three connections
+        bob = Edge(address, fp, ChannelSecurity(token=tokens["bob"]))
+        streams = [alice[0].stub.Attach(pb.AttachRequest()), alice[1].stub.Attach(pb.AttachRequest())]
+        await until(lambda: limiter.held("alice") == 2)
+        refused = alice[2].stub.Attach(pb.AttachRequest())  # a new connection of the same identity
+        status = await refused.code(), await refused.details()
+        streams.append(bob.stub.Attach(pb.AttachRequest()))
+        await until(lambda: limiter.held("bob") == 1)
+        assert not any(stream.done() for stream in streams)
+        for stream in streams:
+            stream.cancel()
+        await until(lambda: limiter.num_held == 0)
+        for edge in (*alice, bob):
+            await edge.channel.close()
+        return status
+
+    with ServerThread(config) as server:
+        assert server.server.service.limits.max_attach_streams_per_identity == 2
+        code, details = asyncio.run(run(server.address, server.server.service.attach_limiter))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "already holds 2 Attach streams" in details, (code, details)
 
 
 def test_edge_reports_a_refused_token_in_one_line(mtls_server, pki, fingerprint):

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from harness import ServerThread
-from raw_edge import PROMPT, Edge, status_of
+from raw_edge import PROMPT, Edge, status_of, until
 from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.client import EdgeClient, EdgeConfig
@@ -18,13 +18,15 @@ from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.ratelimit import TokenBucket
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
-from specedge.server.limits import RateLimitConfig, RoundRateLimiter
+from specedge.server import errors
+from specedge.server.limits import AttachLimiter, RateLimitConfig, RoundRateLimiter
 from specedge.server.runner import KVCache
 from specedge.server.transport import TransportConfig
 from specedge.v1 import specedge_pb2 as pb
 
 EXHAUSTED, INVALID = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT
 RATE, BURST = 25.0, 3
+MAX_ATTACH = 2
 
 
 class FakeClock:
@@ -62,6 +64,23 @@ def test_rate_limiter_refuses_per_identity_with_a_retry_hint():
     assert RoundRateLimiter(RateLimitConfig()).delay("x") == 0.0  # no limit configured
 
 
+def test_attach_limiter_counts_open_streams_per_identity():
+    limiter = AttachLimiter(max_per_identity=2)
+    limiter.acquire("a")
+    limiter.acquire("a")
+    with pytest.raises(errors.ResourceExhausted, match="already holds 2 Attach streams"):
+        limiter.acquire("a")
+    limiter.acquire("b")  # another identity has its own count
+    assert (limiter.held("a"), limiter.held("b"), limiter.num_held) == (2, 1, 3)
+    limiter.release("a")
+    limiter.acquire("a")  # a stream that ended frees its place
+    for identity in ("a", "a", "b"):
+        limiter.release(identity)
+    assert limiter.num_held == 0 and limiter._held == {}  # identities holding nothing are forgotten
+    with pytest.raises(ValueError, match="Attach streams per identity must be >= 1"):
+        ServerConfig(model="m", max_attach_per_identity=0)
+
+
 @pytest.fixture(scope="module")
 def fingerprint(tiny_target_dir):
     return HFTokenizer(tiny_target_dir).fingerprint
@@ -76,7 +95,7 @@ def limited(tiny_target_dir):
     transport = TransportConfig(max_message_bytes=64 << 10, idle_connection_timeout_s=0.5)
     config = ServerConfig(
         model=str(tiny_target_dir), port=0, max_context=64, engine=engine, transport=transport,
-        rate_limit=RateLimitConfig(rounds_per_s=RATE, burst=BURST),
+        rate_limit=RateLimitConfig(rounds_per_s=RATE, burst=BURST), max_attach_per_identity=MAX_ATTACH,
     )  # fmt: skip
     with ServerThread(config) as server:
         yield server
@@ -91,7 +110,7 @@ def test_the_handshake_reports_every_limit(limited, fingerprint):
     assert limits == pb.ServerLimits(
         max_context_tokens=64, max_draft_tokens=8, max_sessions=4, max_prompt_tokens=20, max_draft_prob_tokens=4,
         max_sessions_per_identity=2, max_rounds_per_second=RATE, round_burst=BURST, max_message_bytes=64 << 10,
-        idle_session_timeout_s=30, idle_connection_timeout_s=0.5,
+        idle_session_timeout_s=30, idle_connection_timeout_s=0.5, max_attach_streams_per_identity=MAX_ATTACH,
     )  # fmt: skip
 
 
@@ -148,6 +167,40 @@ def test_each_limit_refuses_with_a_precise_status(limited, fingerprint):
     refused = limited.server.stats.snapshot()["requests_refused"]
     assert refused["rate_limited"] - refused_before.get("rate_limited", 0) == 1
     assert refused["session_limit"] - refused_before.get("session_limit", 0) == 1
+
+
+def test_attach_streams_are_capped_per_identity(limited, fingerprint):
+    """One identity (without tokens: one connection) cannot hold every call the server allows."""
+    fp = wire.fingerprint_to_proto(fingerprint)
+    limiter = limited.server.service.attach_limiter
+
+    async def run():
+        await until(lambda: limiter.num_held == 0)  # earlier tests' leases have ended
+        edge, other = Edge(limited.address, fp), Edge(limited.address, fp)
+        streams = []
+        for expected in range(1, MAX_ATTACH + 1):
+            streams.append(edge.stub.Attach(pb.AttachRequest()))
+            await until(lambda: limiter.num_held == expected)
+        refused = edge.stub.Attach(pb.AttachRequest())
+        status = await refused.code(), await refused.details()
+        streams.append(other.stub.Attach(pb.AttachRequest()))  # another identity still attaches
+        await until(lambda: limiter.num_held == MAX_ATTACH + 1)
+        streams.pop(0).cancel()  # an ended stream frees its place
+        await until(lambda: limiter.num_held == MAX_ATTACH)
+        streams.append(edge.stub.Attach(pb.AttachRequest()))
+        await until(lambda: limiter.num_held == MAX_ATTACH + 1)
+        assert not any(stream.done() for stream in streams)
+        for stream in streams:
+            stream.cancel()
+        await until(lambda: limiter.num_held == 0)
+        for e in (edge, other):
+            await e.channel.close()
+        return status
+
+    refused_before = limited.server.stats.snapshot()["requests_refused"].get("attach_limit", 0)
+    code, details = asyncio.run(run())
+    assert code == EXHAUSTED and f"already holds {MAX_ATTACH} Attach streams" in details, (code, details)
+    assert limited.server.stats.snapshot()["requests_refused"]["attach_limit"] == refused_before + 1
 
 
 def test_a_well_behaved_edge_never_trips_the_rate_limit(limited, fingerprint, tiny_target_dir, tiny_draft_dir):

@@ -240,6 +240,10 @@ def test_a_full_server_says_503_and_a_client_that_disconnects_frees_its_session(
         ({"logprobs": True}, 400, "logprobs", "logprobs are not supported"),
         ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", "Input should be"),
         ({"max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+        # Past the wire's uint32: refused by the schema, not a protobuf error (a 500) inside the answer.
+        ({"max_tokens": 2**32}, 400, "max_tokens", "less than 4294967296"),
+        ({"max_completion_tokens": 2**32}, 400, "max_completion_tokens", "less than 4294967296"),
+        ({"extra_body": {"top_k": 2**32}}, 400, "top_k", "less than 4294967296"),
         ({"stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed when stream is true"),
         ({"messages": [{"role": "user", "content": "x" * 2000}]}, 400, "messages", "the server's context holds 256"),
     ],
@@ -251,6 +255,29 @@ def test_bad_requests_get_openai_errors(client, model, request_fields, status, p
     error = caught.value
     assert error.status_code == status and error.body["param"] == param and message in error.body["message"]
     assert error.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "request_fields, param, message",
+    [
+        ({"prompt": [5, -1]}, "prompt", "token id -1 at index 1 is not in [0, 2^32)"),
+        ({"prompt": [2**32, 5]}, "prompt", "token id 4294967296 at index 0 is not in [0, 2^32)"),
+        ({"prompt": [5, 7], "max_tokens": 2**40}, "max_tokens", "less than 4294967296"),
+        ({"prompt": "def", "extra_body": {"top_k": 2**32}}, "top_k", "less than 4294967296"),
+    ],
+)
+def test_out_of_range_completion_fields_get_400_naming_the_field(client, model, request_fields, param, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**{"model": model, **request_fields})
+    error = caught.value
+    assert error.body["param"] == param and message in error.body["message"], error.body
+    assert error.body["type"] == "invalid_request_error"
+
+
+def test_a_token_id_past_the_vocabulary_is_refused_by_the_server_as_400(client, model):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt=[5, 10**6])  # fits the wire; the target has 384 tokens
+    assert "out of range for vocab size 384" in caught.value.body["message"]
 
 
 def test_unknown_paths_get_an_openai_error_body(api):

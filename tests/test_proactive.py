@@ -13,9 +13,10 @@ import time
 
 import pytest
 from harness import tiny_server
+from p_min import confident_length, keeps_an_unlikely_draw, min_prob_between
 from reference import greedy_decode
 from specedge.edge_client.client import EdgeClient, EdgeConfig
-from specedge.edge_client.drafting.base import DraftChain, TreeBudget
+from specedge.edge_client.drafting.base import DraftChain, DraftSampling, TreeBudget
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.drafting.tree import TreeGrower
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, guess_outcomes
@@ -126,12 +127,49 @@ def test_abandoned_predraft_stops_within_a_token(tiny_draft_dir):
 def test_draft_p_min_stops_chains_early(tiny_draft_dir):
     prompt = list(range(3, 40))
     drafter = TorchDrafter(tiny_draft_dir)
+    drafter.propose(prompt, 1)  # the prompt is cached: both calls below evaluate alike, to the bit
     full = drafter.propose(prompt, 8)
-    threshold = sorted(full.probs)[len(full.probs) // 2]
+    threshold = min_prob_between(full, quantile=0.5)  # halfway between two of its probabilities
     cut = drafter.propose(prompt, 8, min_prob=threshold)
-    first_low = next(i for i, p in enumerate(full.probs) if p < threshold)
-    assert cut.token_ids == full.token_ids[:first_low]
+    assert 0 < confident_length(full, threshold) < len(full.token_ids)
+    assert cut.token_ids == full.token_ids[: confident_length(full, threshold)]
     assert drafter.propose(prompt, 8, min_prob=1.01).token_ids == ()
+
+
+def test_predrafts_cut_sampled_chains_by_the_drafters_rule(tiny_draft_dir):
+    """Drafting ahead one token per call stops where one call would: at the first position the draft
+    is unsure of, whatever token was drawn there; and it is the chain a fresh call drafts."""
+    prompt = list(range(3, 40))
+    drafter = TorchDrafter(tiny_draft_dir)
+    sampling = DraftSampling(temperature=1.0, top_k=4, seed=5)
+    depth = 8
+
+    async def scenario():
+        worker = DraftWorker(drafter)
+        chain = await worker.run(drafter.propose, prompt, 2, sampling)
+        guesses = guess_outcomes(chain, max_guesses=3)
+        # Where each guess leads when nothing stops it, and a min_prob that cuts some of those chains.
+        uncut = [await worker.run(drafter.propose, [*prompt, *committed], depth, sampling) for committed in
+                 [(*chain.token_ids[: g.num_accepted], g.bonus) for g in guesses if g.bonus is not None]]
+        min_prob = min_prob_between(uncut[0], quantile=0.25)
+        assert any(keeps_an_unlikely_draw(c, min_prob) for c in uncut)  # else the test could not tell the rules apart
+        round_ = ProactiveRound(worker, sampling, min_prob)
+        round_.start(prompt, chain, guesses, depth)
+        await asyncio.sleep(0)  # the round's job is handed to the worker thread...
+        await worker.run(lambda: None)  # ...so once that thread is free again, drafting ahead is done
+        # Every guess of the server's token is drafted after; a guess that all drafts pass needs the drafter's
+        # own next token, which it does not guess where it is unsure.
+        assert {p.committed[-1] for p in round_.predrafts} >= {g.bonus for g in guesses if g.bonus is not None}
+        for predraft in round_.predrafts:
+            fresh = await worker.run(drafter.propose, [*prompt, *predraft.committed], depth, sampling)
+            length = confident_length(fresh, min_prob)
+            # The same draws; q may differ in the last bits (the two reuse different cached chunks).
+            assert predraft.chain.token_ids == fresh.token_ids[:length]
+            assert all(q.prob_of(token) > 0 for token, q in zip(predraft.chain.token_ids, predraft.chain.dists))
+        await round_.finish(())
+        await worker.close()
+
+    asyncio.run(scenario())
 
 
 @pytest.fixture(scope="module")

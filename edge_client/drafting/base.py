@@ -110,9 +110,15 @@ class Drafter(Protocol):
 
         `context` is every committed token, prompt included. The drafter's
         cache afterwards holds `context` plus all but the last drafted token.
-        The chain stops before the first token whose draft probability is
-        below `min_prob` (llama.cpp's --draft-p-min): unlikely drafts are
-        rarely accepted and cost verification compute.
+        The chain stops at the first position where the draft's largest
+        probability is below `min_prob` (llama.cpp's --draft-p-min): an
+        unsure draft is rarely accepted and costs verification compute.
+        The stop is decided before the token is drawn, from the context
+        alone, never from the drawn token's own probability: a sampled
+        draft sent only when it is likely would follow q restricted to its
+        likely tokens, not the q the server's rejection test assumes, and
+        the output would no longer follow the target. (For greedy chains
+        the two rules agree: the token drawn is the likeliest.)
         """
         ...
 
@@ -144,10 +150,19 @@ def sample_top_k(
     probs = array.array("f", (w / sum(weights) for w in weights)).tolist()
     kept = [(token, prob) for (_, token), prob in zip(ranked, probs) if prob > 0]
     dist = SparseDist(token_ids=tuple(t for t, _ in kept), probs=tuple(p for _, p in kept))
+    return draw(dist, sampling.seed, position), dist
+
+
+def draw(dist: SparseDist, seed: int, position: int) -> int:
+    """The token of `dist` that the draft's keyed uniform for (seed, position) picks.
+
+    A pure function of the q that is sent: whoever holds a sampled draft's q
+    can check that the draft was drawn from it.
+    """
     # Inverse CDF: the first token whose cumulative probability exceeds u * total.
     cumulative = list(itertools.accumulate(dist.probs))
-    index = bisect.bisect_right(cumulative, _keyed_uniform(sampling.seed, position) * cumulative[-1])
-    return dist.token_ids[min(index, len(cumulative) - 1)], dist
+    index = bisect.bisect_right(cumulative, _keyed_uniform(seed, position) * cumulative[-1])
+    return dist.token_ids[min(index, len(cumulative) - 1)]
 
 
 def _keyed_uniform(seed: int, position: int) -> float:

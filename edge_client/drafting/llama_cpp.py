@@ -82,13 +82,14 @@ class LlamaCppDrafter:
         for step in range(num_tokens):
             logits = self._last_logits()  # [vocab]
             first, second = _top_two(logits)
+            # On the position's confidence, before any draw: see Drafter.propose.
+            if _softmax_prob(logits, first) < min_prob:
+                break
             if sampling is None:
                 token, dist = first, None
             else:
                 token, dist = self._sample_next(logits, sampling, position=len(context_ids) + step)
             prob = _softmax_prob(logits, token)
-            if prob < min_prob:
-                break
             runner_up = second if token == first else first
             chain.add(token, prob, dist, runner_up, _softmax_prob(logits, runner_up))
             # The last draft stays unevaluated: if it is accepted, the next

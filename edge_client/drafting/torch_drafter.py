@@ -151,18 +151,20 @@ class TorchDrafter:
         logits = self._extend(context)[0].float()  # [vocab]
         for step in range(num_tokens):
             next_probs = torch.softmax(logits, dim=-1)  # [vocab]
-            top_two = next_probs.topk(2).indices.tolist()
+            top_two = next_probs.topk(2)  # [2] values and indices
+            # On the position's confidence, before any draw: see Drafter.propose.
+            if float(top_two.values[0]) < min_prob:
+                break
+            first, second = top_two.indices.tolist()
             if sampling is None:
-                token, dist = top_two[0], None
+                token, dist = first, None
             else:
                 top = logits.topk(min(sampling.top_k, logits.shape[-1]))  # [top_k] values and indices
                 # The cache now holds every token before this one: its length is this token's position.
                 token, dist = sample_top_k(
                     top.indices.tolist(), top.values.tolist(), sampling, position=len(self._cached_ids)
                 )
-            if float(next_probs[token]) < min_prob:
-                break
-            runner_up = top_two[1] if token == top_two[0] else top_two[0]
+            runner_up = second if token == first else first
             chain.add(token, float(next_probs[token]), dist, runner_up, float(next_probs[runner_up]))
             # The last draft stays unevaluated: if it is accepted, the next
             # call evaluates it as part of that call's suffix.

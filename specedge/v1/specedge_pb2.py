@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecedge/v1/specedge.proto\x12\x0bspecedge.v1\"\x0f\n\rAttachRequest\"\x1f\n\x0cServerNotice\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x97\x01\n\x14TokenizerFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0cvocab_sha256\x18\x03 \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x05 \x03(\rB\x0f\n\r_bos_token_id\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xc9\x02\n\x0cServerLimits\x12\x1a\n\x12max_context_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x1d\n\x15max_draft_prob_tokens\x18\x05 \x01(\r\x12!\n\x19max_sessions_per_identity\x18\x06 \x01(\r\x12\x1d\n\x15max_rounds_per_second\x18\x07 \x01(\x02\x12\x13\n\x0bround_burst\x18\x08 \x01(\r\x12\x19\n\x11max_message_bytes\x18\t \x01(\r\x12\x1e\n\x16idle_session_timeout_s\x18\n \x01(\x02\x12!\n\x19idle_connection_timeout_s\x18\x0b \x01(\x02\"}\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12:\n\x0f\x64raft_tokenizer\x18\x02 \x01(\x0b\x32!.specedge.v1.TokenizerFingerprint\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\"\xc1\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x16\n\x0eserver_version\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12;\n\x10target_tokenizer\x18\x04 \x01(\x0b\x32!.specedge.v1.TokenizerFingerprint\x12)\n\x06limits\x18\x05 \x01(\x0b\x32\x19.specedge.v1.ServerLimits\"\xab\x01\n\x12OpenSessionRequest\x12\x34\n\ttokenizer\x18\x01 \x01(\x0b\x32!.specedge.v1.TokenizerFingerprint\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specedge.v1.SamplingParams\"\xbc\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specedge.v1.FinishReason\x12)\n\x06limits\x18\x04 \x01(\x0b\x32\x19.specedge.v1.ServerLimits\x12\x1c\n\x14\x61\x64vised_draft_tokens\x18\x05 \x01(\r\"\x9b\x01\n\x16\x43ontinueSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specedge.v1.SamplingParams\"\xa0\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x15\n\rdraft_parents\x18\x03 \x03(\r\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x34\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1f.specedge.v1.SparseDistribution\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"]\n\x0bRoundTiming\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\"\xcc\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specedge.v1.FinishReason\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x1c\n\x14\x61\x64vised_draft_tokens\x18\x05 \x01(\r\x12(\n\x06timing\x18\x06 \x01(\x0b\x32\x18.specedge.v1.RoundTiming\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\xc5\x01\n\x0fGenerateRequest\x12\x34\n\ttokenizer\x18\x01 \x01(\x0b\x32!.specedge.v1.TokenizerFingerprint\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specedge.v1.SamplingParams\x12\x1b\n\x13server_draft_tokens\x18\x05 \x01(\r\"W\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.specedge.v1.FinishReason*s\n\x0c\x46inishReason\x12\x16\n\x12\x46INISH_REASON_NONE\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x03\x32\xa8\x04\n\x08SpecEdge\x12J\n\tHandshake\x12\x1d.specedge.v1.HandshakeRequest\x1a\x1e.specedge.v1.HandshakeResponse\x12P\n\x0bOpenSession\x12\x1f.specedge.v1.OpenSessionRequest\x1a .specedge.v1.OpenSessionResponse\x12X\n\x0f\x43ontinueSession\x12#.specedge.v1.ContinueSessionRequest\x1a .specedge.v1.OpenSessionResponse\x12\x41\n\x06Verify\x12\x1a.specedge.v1.VerifyRequest\x1a\x1b.specedge.v1.VerifyResponse\x12S\n\x0c\x43loseSession\x12 .specedge.v1.CloseSessionRequest\x1a!.specedge.v1.CloseSessionResponse\x12I\n\x08Generate\x12\x1c.specedge.v1.GenerateRequest\x1a\x1d.specedge.v1.GenerateResponse0\x01\x12\x41\n\x06\x41ttach\x12\x1a.specedge.v1.AttachRequest\x1a\x19.specedge.v1.ServerNotice0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecedge/v1/specedge.proto\x12\x0bspecedge.v1\"\x0f\n\rAttachRequest\"\x1f\n\x0cServerNotice\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x97\x01\n\x14TokenizerFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0cvocab_sha256\x18\x03 \x01(\t\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x05 \x03(\rB\x0f\n\r_bos_token_id\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xf2\x02\n\x0cServerLimits\x12\x1a\n\x12max_context_tokens\x18\x01 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x1d\n\x15max_draft_prob_tokens\x18\x05 \x01(\r\x12!\n\x19max_sessions_per_identity\x18\x06 \x01(\r\x12\x1d\n\x15max_rounds_per_second\x18\x07 \x01(\x02\x12\x13\n\x0bround_burst\x18\x08 \x01(\r\x12\x19\n\x11max_message_bytes\x18\t \x01(\r\x12\x1e\n\x16idle_session_timeout_s\x18\n \x01(\x02\x12!\n\x19idle_connection_timeout_s\x18\x0b \x01(\x02\x12\'\n\x1fmax_attach_streams_per_identity\x18\x0c \x01(\r\"}\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12:\n\x0f\x64raft_tokenizer\x18\x02 \x01(\x0b\x32!.specedge.v1.TokenizerFingerprint\x12\x13\n\x0b\x63lient_name\x18\x03 \x01(\t\"\xc1\x01\n\x11HandshakeResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x16\n\x0eserver_version\x18\x02 \x01(\t\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12;\n\x10target_tokenizer\x18\x04 \x01(\x0b\x32!.specedge.v1.TokenizerFingerprint\x12)\n\x06limits\x18\x05 \x01(\x0b\x32\x19.specedge.v1.ServerLimits\"\xab\x01\n\x12OpenSessionRequest\x12\x34\n\ttokenizer\x18\x01 \x01(\x0b\x32!.specedge.v1.TokenizerFingerprint\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specedge.v1.SamplingParams\"\xbc\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specedge.v1.FinishReason\x12)\n\x06limits\x18\x04 \x01(\x0b\x32\x19.specedge.v1.ServerLimits\x12\x1c\n\x14\x61\x64vised_draft_tokens\x18\x05 \x01(\r\"\x9b\x01\n\x16\x43ontinueSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0bkeep_tokens\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specedge.v1.SamplingParams\"\xa0\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0f\x64raft_token_ids\x18\x02 \x03(\r\x12\x15\n\rdraft_parents\x18\x03 \x03(\r\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x34\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1f.specedge.v1.SparseDistribution\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"]\n\x0bRoundTiming\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\"\xcc\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specedge.v1.FinishReason\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x1c\n\x14\x61\x64vised_draft_tokens\x18\x05 \x01(\r\x12(\n\x06timing\x18\x06 \x01(\x0b\x32\x18.specedge.v1.RoundTiming\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\xc5\x01\n\x0fGenerateRequest\x12\x34\n\ttokenizer\x18\x01 \x01(\x0b\x32!.specedge.v1.TokenizerFingerprint\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specedge.v1.SamplingParams\x12\x1b\n\x13server_draft_tokens\x18\x05 \x01(\r\"W\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x19.specedge.v1.FinishReason*s\n\x0c\x46inishReason\x12\x16\n\x12\x46INISH_REASON_NONE\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x03\x32\xa8\x04\n\x08SpecEdge\x12J\n\tHandshake\x12\x1d.specedge.v1.HandshakeRequest\x1a\x1e.specedge.v1.HandshakeResponse\x12P\n\x0bOpenSession\x12\x1f.specedge.v1.OpenSessionRequest\x1a .specedge.v1.OpenSessionResponse\x12X\n\x0f\x43ontinueSession\x12#.specedge.v1.ContinueSessionRequest\x1a .specedge.v1.OpenSessionResponse\x12\x41\n\x06Verify\x12\x1a.specedge.v1.VerifyRequest\x1a\x1b.specedge.v1.VerifyResponse\x12S\n\x0c\x43loseSession\x12 .specedge.v1.CloseSessionRequest\x1a!.specedge.v1.CloseSessionResponse\x12I\n\x08Generate\x12\x1c.specedge.v1.GenerateRequest\x1a\x1d.specedge.v1.GenerateResponse0\x01\x12\x41\n\x06\x41ttach\x12\x1a.specedge.v1.AttachRequest\x1a\x19.specedge.v1.ServerNotice0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specedge.v1.specedge_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2399
-  _globals['_FINISHREASON']._serialized_end=2514
+  _globals['_FINISHREASON']._serialized_start=2440
+  _globals['_FINISHREASON']._serialized_end=2555
   _globals['_ATTACHREQUEST']._serialized_start=43
   _globals['_ATTACHREQUEST']._serialized_end=58
   _globals['_SERVERNOTICE']._serialized_start=60
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=247
   _globals['_SAMPLINGPARAMS']._serialized_end=342
   _globals['_SERVERLIMITS']._serialized_start=345
-  _globals['_SERVERLIMITS']._serialized_end=674
-  _globals['_HANDSHAKEREQUEST']._serialized_start=676
-  _globals['_HANDSHAKEREQUEST']._serialized_end=801
-  _globals['_HANDSHAKERESPONSE']._serialized_start=804
-  _globals['_HANDSHAKERESPONSE']._serialized_end=997
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1000
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1171
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=1174
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1362
-  _globals['_CONTINUESESSIONREQUEST']._serialized_start=1365
-  _globals['_CONTINUESESSIONREQUEST']._serialized_end=1520
-  _globals['_VERIFYREQUEST']._serialized_start=1523
-  _globals['_VERIFYREQUEST']._serialized_end=1683
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=1685
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=1739
-  _globals['_ROUNDTIMING']._serialized_start=1741
-  _globals['_ROUNDTIMING']._serialized_end=1834
-  _globals['_VERIFYRESPONSE']._serialized_start=1837
-  _globals['_VERIFYRESPONSE']._serialized_end=2041
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=2043
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=2084
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2086
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2108
-  _globals['_GENERATEREQUEST']._serialized_start=2111
-  _globals['_GENERATEREQUEST']._serialized_end=2308
-  _globals['_GENERATERESPONSE']._serialized_start=2310
-  _globals['_GENERATERESPONSE']._serialized_end=2397
-  _globals['_SPECEDGE']._serialized_start=2517
-  _globals['_SPECEDGE']._serialized_end=3069
+  _globals['_SERVERLIMITS']._serialized_end=715
+  _globals['_HANDSHAKEREQUEST']._serialized_start=717
+  _globals['_HANDSHAKEREQUEST']._serialized_end=842
+  _globals['_HANDSHAKERESPONSE']._serialized_start=845
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1038
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1041
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1212
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=1215
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1403
+  _globals['_CONTINUESESSIONREQUEST']._serialized_start=1406
+  _globals['_CONTINUESESSIONREQUEST']._serialized_end=1561
+  _globals['_VERIFYREQUEST']._serialized_start=1564
+  _globals['_VERIFYREQUEST']._serialized_end=1724
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=1726
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=1780
+  _globals['_ROUNDTIMING']._serialized_start=1782
+  _globals['_ROUNDTIMING']._serialized_end=1875
+  _globals['_VERIFYRESPONSE']._serialized_start=1878
+  _globals['_VERIFYRESPONSE']._serialized_end=2082
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2084
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2125
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2127
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2149
+  _globals['_GENERATEREQUEST']._serialized_start=2152
+  _globals['_GENERATEREQUEST']._serialized_end=2349
+  _globals['_GENERATERESPONSE']._serialized_start=2351
+  _globals['_GENERATERESPONSE']._serialized_end=2438
+  _globals['_SPECEDGE']._serialized_start=2558
+  _globals['_SPECEDGE']._serialized_end=3110
 # @@protoc_insertion_point(module_scope)

@@ -55,7 +55,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_context_tokens", "max_draft_tokens", "max_sessions", "max_prompt_tokens", "max_draft_prob_tokens", "max_sessions_per_identity", "max_rounds_per_second", "round_burst", "max_message_bytes", "idle_session_timeout_s", "idle_connection_timeout_s")
+    __slots__ = ("max_context_tokens", "max_draft_tokens", "max_sessions", "max_prompt_tokens", "max_draft_prob_tokens", "max_sessions_per_identity", "max_rounds_per_second", "round_burst", "max_message_bytes", "idle_session_timeout_s", "idle_connection_timeout_s", "max_attach_streams_per_identity")
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class ServerLimits(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_SESSION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_CONNECTION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTACH_STREAMS_PER_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     max_context_tokens: int
     max_draft_tokens: int
     max_sessions: int
@@ -78,7 +79,8 @@ class ServerLimits(_message.Message):
     max_message_bytes: int
     idle_session_timeout_s: float
     idle_connection_timeout_s: float
-    def __init__(self, max_context_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_prob_tokens: _Optional[int] = ..., max_sessions_per_identity: _Optional[int] = ..., max_rounds_per_second: _Optional[float] = ..., round_burst: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., idle_session_timeout_s: _Optional[float] = ..., idle_connection_timeout_s: _Optional[float] = ...) -> None: ...
+    max_attach_streams_per_identity: int
+    def __init__(self, max_context_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_draft_prob_tokens: _Optional[int] = ..., max_sessions_per_identity: _Optional[int] = ..., max_rounds_per_second: _Optional[float] = ..., round_burst: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., idle_session_timeout_s: _Optional[float] = ..., idle_connection_timeout_s: _Optional[float] = ..., max_attach_streams_per_identity: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("protocol_version", "draft_tokenizer", "client_name")
