@@ -145,7 +145,8 @@ class Generation:
             self.stats.proactive_rounds += 1
             self.stats.proactive_hits += predraft is not None
         self._commit_round(request, reply)
-        self._check_speed(reply)
+        if self.finish is FinishReason.NONE:  # a finished answer is no fallback, and keeps its session
+            self._check_speed(reply)
         if predraft is None or self.finish is not FinishReason.NONE:
             return None
         used = min(len(predraft.chain.token_ids), self._wanted_draft())
