@@ -238,17 +238,8 @@ class Generation:
         remaining = self.config.max_new_tokens - len(self.tokens)
         prompt = [*self.prompt, *self.tokens]
         opened = None
-        conversation = self.conversation
-        if conversation is not None and conversation.session_id is not None and not self.tokens:
-            keep = _common_prefix(conversation.tokens, prompt)
-            keep = min(keep, len(prompt) - 1)  # at least one token to run, for the next token's logits
-            if keep > 0:
-                try:
-                    opened = await self.client.continue_session(
-                        conversation.session_id, keep, prompt[keep:], remaining, *self._sampling()
-                    )
-                except SessionGone:  # expired while the user was typing: start over with the whole history
-                    conversation.reset()
+        if self.conversation is not None and self.conversation.session_id is not None:
+            opened = await self._continue(self.conversation, prompt, remaining)
         if opened is None:
             opened = await self.client.open_session(prompt, remaining, *self._sampling())
         self.session_id = opened.session_id
@@ -262,6 +253,33 @@ class Generation:
         if not self.tokens:
             self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
         self._commit([opened.first_token_id], wire.finish_from_proto(opened.finish_reason))
+
+    async def _continue(self, conversation: Conversation, prompt: list[int], remaining: int):
+        """The conversation's session continued with only the new tokens; None when it cannot be, its slot freed.
+
+        Every way out that leaves the session behind closes it: otherwise it holds its KV slot until the
+        server's idle timeout, and counts against this identity's cap on open sessions.
+        """
+        keep = min(_common_prefix(conversation.tokens, prompt), len(prompt) - 1)  # run >= 1 token, for logits
+        if keep > 0:
+            try:
+                return await self.client.continue_session(
+                    conversation.session_id, keep, prompt[keep:], remaining, *self._sampling()
+                )
+            except SessionGone:  # expired while the user was typing: start over with the whole history
+                conversation.reset()
+                return None
+            except ConnectionLost:
+                raise  # the session went with the connection's lease
+            except EdgeError:  # refused (e.g. the conversation outgrew the context): the answer fails
+                await self._drop_conversation_session()
+                raise
+        await self._drop_conversation_session()  # nothing in common to reuse: a fresh session replaces it
+        return None
+
+    async def _drop_conversation_session(self) -> None:
+        await self.client.close_session(self.conversation.session_id)
+        self.conversation.reset()
 
     async def _resume(self, started: float) -> None:
         """Reconnect and re-open the session with every committed token as its prompt."""

@@ -15,9 +15,10 @@ import pytest
 
 from harness import tiny_server
 from reference import greedy_decode
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
 from specedge.edge_client.drafting.base import DraftChain
 from specedge.edge_client.generation import SLOW_FALLBACK_MIN_ROUNDS, Conversation
+from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.tokenizer import HFTokenizer
 
 MAX_CONTEXT = 128
@@ -41,6 +42,46 @@ def chat_prompt(tokenizer, content: str) -> list[int]:
 
 def open_sessions(server) -> list[str]:
     return list(server.server.engine.sessions)
+
+
+def test_a_refused_turn_closes_the_conversations_session(server, tokenizer, tiny_draft_dir):
+    first = chat_prompt(tokenizer, "def add(a, b):")
+
+    async def run():
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
+            conversation = Conversation()
+            await client.generate(first, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            kept = open_sessions(server)
+            assert kept == [conversation.session_id]  # the conversation holds its session between turns
+            # The next turn outgrows the server's context: ContinueSession is refused.
+            too_long = [*conversation.tokens, *tokenizer.encode("print(i * i)\n" * 40)]
+            assert len(too_long) >= MAX_CONTEXT
+            with pytest.raises(EdgeError, match="INVALID_ARGUMENT"):
+                await client.generate(too_long, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            return conversation, open_sessions(server)
+
+    conversation, left_open = asyncio.run(run())
+    assert left_open == [] and conversation.session_id is None  # closed at once, not at the idle timeout
+
+
+def test_a_turn_with_nothing_in_common_replaces_the_session(server, tokenizer, tiny_draft_dir, reference_model):
+    first, unrelated = chat_prompt(tokenizer, "def add(a, b):"), tokenizer.encode("The quick brown fox")
+    assert first[0] != unrelated[0]  # keep == 0: nothing of the held session can be reused
+
+    async def run():
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
+            conversation = Conversation()
+            await client.generate(first, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            old = conversation.session_id
+            # With one session per identity, the new session is refused unless the old one was closed first.
+            started = time.monotonic()
+            result = await client.generate(unrelated, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            return old, conversation, result, time.monotonic() - started, open_sessions(server)
+
+    old, conversation, result, took_s, left_open = asyncio.run(run())
+    assert result.token_ids == greedy_decode(reference_model, unrelated, 8, set(tokenizer.eos_token_ids))
+    assert conversation.session_id not in (None, old) and left_open == [conversation.session_id]
+    assert took_s < 1.0  # never refused and retried after the server's 1 s retry-after
 
 
 class WrongDrafter:
