@@ -7,9 +7,11 @@ the failure at its own moment: in flight, waiting to send its prepared call,
 drafting, or only after another answer has already reconnected (its session
 then is unknown to the restarted server). Every
 answer must still be exactly the target's greedy answer, and every raw SSE
-stream must end with `[DONE]`. On main before the fix (a1bfa3e), the
-speculative case failed in most runs: answers died with `UsageError: Channel
-is closed` or CANCELLED, their streams ending in an error event.
+stream must end with `[DONE]`. Before the fix (main at a1bfa3e) the
+speculative case failed in each of 6 runs (an answer died with `UsageError:
+Channel is closed`, its stream ending in an error event), and the
+server-only case can fail with CANCELLED (a stream cut by another answer's
+reconnect).
 
 Then the guard itself, step by step (a failure is blamed on the connection
 its call went out on), and the bound on re-opening against a server that
