@@ -71,6 +71,8 @@ async def chat(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
                 continue
             if line.strip() == "/reset":
                 history.clear()
+                if conversation.session_id is not None:  # its slot counts against our cap until closed
+                    await runtime.client.close_session(conversation.session_id)
                 conversation.reset()
                 continue
             history.append({"role": "user", "content": line})

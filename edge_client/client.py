@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 TokenCallback = Callable[[Sequence[int]], "bool | None"]
 MAX_RETRIES = 3  # of a call refused with RESOURCE_EXHAUSTED and a retry-after-ms trailer
 MAX_RETRY_AFTER_MS = 10_000
+# Chooses the RPC on the stub of the moment (`lambda stub: stub.Verify`): a call goes out on the connection
+# that is current when it is issued, not the one current when it was queued behind a delay.
+Pick = Callable[[specedge_pb2_grpc.SpecEdgeStub], Callable]
 
 
 class EdgeError(Exception):
@@ -40,8 +43,24 @@ class EdgeError(Exception):
         self.status = status  # the gRPC status name when the server refused (e.g. "RESOURCE_EXHAUSTED")
 
 
-class ConnectionLost(EdgeError):
+class Lost(EdgeError):
+    """An answer's session is gone: with its connection (ConnectionLost) or alone (SessionGone).
+
+    `epoch` is the connection the failing call went out on; EdgeClient.recover() uses it to reconnect
+    once per broken connection, however many answers notice, and whenever they do.
+    """
+
+    def __init__(self, message: str, *, status: str | None = None, epoch: int | None = None):
+        super().__init__(message, status=status)
+        self.epoch = epoch  # None: the current connection
+
+
+class ConnectionLost(Lost):
     """The server could not be reached (down, restarting, or the network dropped)."""
+
+
+class SessionGone(Lost):
+    """The server no longer knows the session (it expired, the server restarted, or its connection was replaced)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +108,17 @@ class EdgeConfig:
             raise ValueError("simulated delays and the reconnect timeout must be >= 0")
 
 
-def _explain(exc: grpc.aio.AioRpcError, address: str) -> EdgeError:
+def _explain(exc: grpc.aio.AioRpcError, address: str, epoch: int) -> EdgeError:
+    """The EdgeError for a failed call that went out on connection `epoch`."""
+    if exc.code() == grpc.StatusCode.NOT_FOUND:
+        return SessionGone(exc.details(), status=exc.code().name, epoch=epoch)
     if exc.code() == grpc.StatusCode.UNAVAILABLE and "is draining" in (exc.details() or ""):
-        return ConnectionLost(f"{exc.details()} (at {address})")  # it answered: it admits no new sessions
+        return ConnectionLost(f"{exc.details()} (at {address})", epoch=epoch)  # it answered: no new sessions
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        return ConnectionLost(
-            f"cannot reach the server at {address} ({exc.details()}); is specedge-server running there?"
-        )
+        why = f"cannot reach the server at {address} ({exc.details()}); is specedge-server running there?"
+        return ConnectionLost(why, epoch=epoch)
+    if exc.code() == grpc.StatusCode.CANCELLED:  # not by our caller (that raises CancelledError): a closed channel
+        return ConnectionLost(f"the call to {address} was cut short ({exc.details()})", epoch=epoch)
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return EdgeError(f"the server at {address} did not answer in time", status=exc.code().name)
     return EdgeError(f"server refused: {exc.code().name}: {exc.details()}", status=exc.code().name)
@@ -109,8 +132,14 @@ def _retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
     return min(int(value), MAX_RETRY_AFTER_MS) / 1000
 
 
-class SessionGone(EdgeError):
-    """The server no longer knows the session (it expired, or the server restarted)."""
+def _cancelled_by_caller() -> bool:
+    """Whether the running task was asked to stop, rather than hit by a local cancel of one of its calls.
+
+    grpc raises CancelledError in every call in flight on a channel that is closed, and reconnect() closes
+    the channel that all of this client's answers share: for the others that is a lost connection.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class EdgeClient:
@@ -139,7 +168,7 @@ class EdgeClient:
         self.server_info: pb.HandshakeResponse | None = None
         self._rng = random.Random()
         self._left: asyncio.Future | None = None  # with choose_address: resolves to why this server must be left
-        self._epoch = 0  # connections made; lets concurrent reconnects after one failure share one
+        self._epoch = 0  # connections made; a failed call names the one it went out on, so answers share a reconnect
         self._reconnecting = asyncio.Lock()
 
     async def __aenter__(self) -> EdgeClient:
@@ -161,12 +190,17 @@ class EdgeClient:
         self._lease = self._stub.Attach(pb.AttachRequest())
         self._epoch += 1
 
-    async def reconnect(self, timeout_s: float | None = None) -> None:
-        """Connect again, with exponential backoff, for up to `timeout_s` (default: the config's)."""
-        epoch = self._epoch
+    async def reconnect(self, timeout_s: float | None = None, *, lost: int | None = None) -> None:
+        """Connect again, with exponential backoff, for up to `timeout_s` (default: the config's).
+
+        `lost`: the epoch of the connection a call failed on (default: the current one). When the client
+        has connected since, there is nothing to do: another answer already replaced that connection, and
+        replacing it again would cancel the new one's lease, and with it every session opened on it.
+        """
+        epoch = self._epoch if lost is None else lost
         async with self._reconnecting:
-            if self._epoch != epoch and not self.must_leave:
-                return  # answers that lost the same connection: another one reconnected while this waited
+            if self._epoch > epoch and not self.must_leave:
+                return
             deadline = time.monotonic() + (self.config.reconnect_timeout_s if timeout_s is None else timeout_s)
             backoff = 0.1
             while True:
@@ -179,6 +213,17 @@ class EdgeClient:
                     log.info("server at %s unreachable; retrying in %.1f s", self.address, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
+
+    async def recover(self, lost: Lost) -> None:
+        """Make the connection fit to re-open a session after `lost`.
+
+        A session lost alone (expired, or closed with an older connection's lease) is re-opened on this
+        connection while its lease holds: reconnecting would close the other answers' sessions for nothing.
+        A lost connection is replaced once, by whichever answer notices first (see reconnect).
+        """
+        if isinstance(lost, SessionGone) and self._lease is not None and not self._lease.done():
+            return
+        await self.reconnect(lost=lost.epoch)
 
     def abandon(self, reason: str) -> None:
         """Leave this server (it is draining or went offline): calls in flight and later ones raise
@@ -199,10 +244,14 @@ class EdgeClient:
         if self.must_leave:
             await self.reconnect()
 
-    def _leaving(self) -> ConnectionLost:
-        return ConnectionLost(f"left the server at {self.address}: {self._left.result()}")
+    def _leaving(self, left: asyncio.Future, epoch: int) -> ConnectionLost:
+        return ConnectionLost(f"left the server at {self.address}: {left.result()}", epoch=epoch)
 
-    async def _unless_left(self, awaitable, rpc):
+    def _lost_channel(self, epoch: int) -> ConnectionLost:
+        """A call cut short by a reconnect: its channel was closed (or was being replaced) under it."""
+        return ConnectionLost(f"the connection to {self.address} was replaced while a call was on it", epoch=epoch)
+
+    async def _unless_left(self, awaitable, rpc, epoch: int):
         """Await an RPC or a stream read; if this server is abandoned first, cancel `rpc` and raise ConnectionLost."""
         left = self._left
         if left is None:
@@ -211,7 +260,7 @@ class EdgeClient:
             if asyncio.iscoroutine(awaitable):
                 awaitable.close()
             rpc.cancel()
-            raise self._leaving()
+            raise self._leaving(left, epoch)
         task = asyncio.ensure_future(awaitable)
         try:
             await asyncio.wait((task, left), return_when=asyncio.FIRST_COMPLETED)
@@ -223,15 +272,17 @@ class EdgeClient:
             return task.result()
         task.cancel()
         rpc.cancel()
-        raise self._leaving()
+        raise self._leaving(left, epoch)
 
     async def _disconnect(self) -> None:
-        if self._lease is not None:
-            self._lease.cancel()
-            self._lease = None
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        # Forget the connection before awaiting anything: a call issued from now on must not pick up the
+        # channel being closed (grpc would raise UsageError), but fail as lost on this epoch.
+        lease, channel = self._lease, self._channel
+        self._lease = self._channel = self._stub = None
+        if lease is not None:
+            lease.cancel()
+        if channel is not None:
+            await channel.close()
 
     def _one_way_s(self) -> float:
         """Half an emulated round trip plus jitter, in seconds; 0 without a simulated network."""
@@ -244,30 +295,42 @@ class EdgeClient:
         if delay := self._one_way_s():
             await asyncio.sleep(delay)
 
-    async def _call(self, method, request, **options):
-        await self._network_delay()
+    def _current(self) -> tuple[specedge_pb2_grpc.SpecEdgeStub, int]:
+        """The stub to issue a call on, with its epoch; both read at once, so a call is blamed on its own connection."""
         if self.must_leave:
-            raise self._leaving()
+            raise self._leaving(self._left, self._epoch)
+        if self._stub is None:
+            raise self._lost_channel(self._epoch)  # between connections: reconnect() is under way
+        return self._stub, self._epoch
+
+    async def _call(self, pick: Pick, request, **options):
+        """One unary RPC: `pick` chooses it on the stub of the moment (after the emulated network's delay)."""
+        await self._network_delay()
         for attempt in range(MAX_RETRIES + 1):
+            stub, epoch = self._current()
             try:
-                rpc = method(request, timeout=self.config.rpc_timeout_s, **options)
-                reply = await self._unless_left(rpc, rpc)
+                rpc = pick(stub)(request, timeout=self.config.rpc_timeout_s, **options)
+                reply = await self._unless_left(rpc, rpc, epoch)
                 break
             except grpc.aio.AioRpcError as exc:
                 if (wait_s := _retry_after_s(exc)) is not None and attempt < MAX_RETRIES:
                     await asyncio.sleep(wait_s)  # refused before anything happened: the same call again
                     continue
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    raise SessionGone(exc.details()) from None
-                raise _explain(exc, self.address) from None
+                raise _explain(exc, self.address, epoch) from None
+            except grpc.aio.UsageError:  # "Channel is closed": another answer's reconnect closed it just now
+                raise self._lost_channel(epoch) from None
+            except asyncio.CancelledError:
+                if _cancelled_by_caller():
+                    raise
+                raise self._lost_channel(epoch) from None
         await self._network_delay()
         return reply
 
-    async def _round(self, method, request):
+    async def _round(self, pick: Pick, request):
         """OpenSession, ContinueSession, Verify: paced to the server's round rate, so it never refuses one."""
         if self._pace is not None and (delay_s := self._pace.reserve()):
             await asyncio.sleep(delay_s)
-        return await self._call(method, request)
+        return await self._call(pick, request)
 
     async def handshake(self) -> pb.HandshakeResponse:
         request = pb.HandshakeRequest(
@@ -275,7 +338,7 @@ class EdgeClient:
             draft_tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             client_name="specedge-edge",
         )
-        reply = await self._call(self._stub.Handshake, request, wait_for_ready=False)
+        reply = await self._call(lambda stub: stub.Handshake, request, wait_for_ready=False)
         try:  # the server checks too; checking here gives the same answer without trusting it
             check_compatible(self.fingerprint, wire.fingerprint_from_proto(reply.target_tokenizer))
         except IncompatibleTokenizer as exc:
@@ -297,7 +360,7 @@ class EdgeClient:
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-        return await self._round(self._stub.OpenSession, request)
+        return await self._round(lambda stub: stub.OpenSession, request)
 
     async def continue_session(
         self,
@@ -315,18 +378,19 @@ class EdgeClient:
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-        return await self._round(self._stub.ContinueSession, request)
+        return await self._round(lambda stub: stub.ContinueSession, request)
 
     async def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        return await self._round(self._stub.Verify, request)
+        return await self._round(lambda stub: stub.Verify, request)
 
     async def close_session(self, session_id: str) -> None:
         """Free the server's slot; shielded so that a cancelled generation still frees it."""
-        if self._stub is None:
-            return
+        stub = self._stub
+        if stub is None:
+            return  # between connections: the old one's lease took its sessions with it
         try:
-            await asyncio.shield(self._stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=5))
-        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            await asyncio.shield(stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=5))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError):
             pass  # the server's idle timeout (or the broken lease) frees the slot anyway
 
     async def generate_stream(
@@ -346,25 +410,31 @@ class EdgeClient:
             server_draft_tokens=server_draft_tokens,
         )
         await self._network_delay()
-        if self.must_leave:
-            raise self._leaving()
+        stub, epoch = self._current()
         # No overall deadline: a long answer streams for as long as it takes;
         # a dead server breaks the stream with UNAVAILABLE.
-        call = self._stub.Generate(request)
         try:
-            async for reply, arrived in self._timestamped(call):
+            call = stub.Generate(request)
+        except grpc.aio.UsageError:
+            raise self._lost_channel(epoch) from None
+        try:
+            async for reply, arrived in self._timestamped(call, epoch):
                 # Messages pipeline: each is due one way after it arrived, not after the one before.
                 await asyncio.sleep(max(0.0, arrived + self._one_way_s() - time.monotonic()))
                 yield reply
         except grpc.aio.AioRpcError as exc:
-            raise _explain(exc, self.address) from None
+            raise _explain(exc, self.address, epoch) from None
+        except asyncio.CancelledError:
+            if _cancelled_by_caller():
+                raise
+            raise self._lost_channel(epoch) from None
         finally:
             call.cancel()  # a no-op after the last message; frees the server's session when stopped early
 
-    async def _timestamped(self, call):
+    async def _timestamped(self, call, epoch: int):
         """The stream's messages with their arrival times, read as they come even while the consumer sleeps."""
         if not (self.config.simulated_rtt_ms or self.config.simulated_jitter_ms):
-            while (reply := await self._unless_left(call.read(), call)) is not grpc.aio.EOF:
+            while (reply := await self._unless_left(call.read(), call, epoch)) is not grpc.aio.EOF:
                 yield reply, time.monotonic()
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -376,11 +446,15 @@ class EdgeClient:
                 queue.put_nowait((None, 0.0, None))
             except grpc.aio.AioRpcError as exc:
                 queue.put_nowait((None, 0.0, exc))
+            except asyncio.CancelledError as exc:
+                if _cancelled_by_caller():  # stopped below, once the consumer is done
+                    raise
+                queue.put_nowait((None, 0.0, exc))  # the channel was closed: the consumer must not wait forever
 
         reader = asyncio.create_task(read())
         try:
             while True:
-                reply, arrived, error = await self._unless_left(queue.get(), call)
+                reply, arrived, error = await self._unless_left(queue.get(), call, epoch)
                 if error is not None:
                     raise error
                 if reply is None:

@@ -8,8 +8,10 @@ The speculative loop, in full:
             append the accepted drafts + the server's own token; stop on a finish reason
     close the session (a conversation keeps it for the next turn)
 
-A lost connection reconnects and re-opens the session with every committed
-token as its prompt, so the answer goes on with nothing lost or repeated. A
+A lost session or connection re-opens the session with every committed token
+as its prompt, so the answer goes on with nothing lost or repeated (the
+client reconnects only when the connection itself broke, once for all the
+answers that share it). A
 draft model that fails (or, if asked, drafts slower than the server decodes
 alone) hands the rest of the answer to the server.
 """
@@ -24,7 +26,15 @@ import time
 from collections.abc import Sequence
 
 from specedge import wire
-from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, EdgeError, SessionGone, TokenCallback
+from specedge.edge_client.client import (
+    ConnectionLost,
+    EdgeClient,
+    EdgeConfig,
+    EdgeError,
+    Lost,
+    SessionGone,
+    TokenCallback,
+)
 from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling, DraftTree
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
 from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
@@ -34,6 +44,9 @@ from specedge.v1 import specedge_pb2 as pb
 log = logging.getLogger(__name__)
 
 SLOW_FALLBACK_MIN_ROUNDS = 4  # rounds measured before deciding drafting does not pay
+# Sessions lost in a row with no token committed in between before the answer gives up: a server that
+# answers the handshake but refuses every session (draining, with nowhere else to go) must not loop forever.
+MAX_FRUITLESS_RECOVERIES = 3
 
 
 class _FallBack(Exception):
@@ -70,6 +83,7 @@ class Generation:
         self._depth = DepthEstimator()
         self._server_ms_per_round: float | None = None  # smoothed, for the slow-draft fallback
         self._max_draft_nodes = 0  # the server's limit, learnt when the session opens
+        self._fruitless_recoveries = 0  # since the last committed token
 
     async def run(self) -> GenerationResult:
         started = time.perf_counter()
@@ -102,17 +116,18 @@ class Generation:
     # -- speculative -------------------------------------------------------
 
     async def _speculative(self, started: float) -> None:
-        await self._open(started)
         worker = DraftWorker(self.drafter)
         ready: DraftChain | None = None  # drafted ahead for the outcome that came true
         try:
             while self.finish is FinishReason.NONE:
                 try:
-                    ready = await self._round(worker, ready)
-                except (ConnectionLost, SessionGone) as exc:
-                    log.warning("lost the session (%s); resuming", exc)
+                    if self.session_id is None:  # the first, or a lost one again with every committed token
+                        await self._open(started)
+                    else:
+                        ready = await self._round(worker, ready)
+                except Lost as exc:
                     ready = None
-                    await self._resume(started)
+                    await self._recover(exc)
         finally:
             await worker.close()
 
@@ -145,7 +160,8 @@ class Generation:
             self.stats.proactive_rounds += 1
             self.stats.proactive_hits += predraft is not None
         self._commit_round(request, reply)
-        self._check_speed(reply)
+        if self.finish is FinishReason.NONE:  # a finished answer is no fallback, and keeps its session
+            self._check_speed(reply)
         if predraft is None or self.finish is not FinishReason.NONE:
             return None
         used = min(len(predraft.chain.token_ids), self._wanted_draft())
@@ -237,17 +253,8 @@ class Generation:
         remaining = self.config.max_new_tokens - len(self.tokens)
         prompt = [*self.prompt, *self.tokens]
         opened = None
-        conversation = self.conversation
-        if conversation is not None and conversation.session_id is not None and not self.tokens:
-            keep = _common_prefix(conversation.tokens, prompt)
-            keep = min(keep, len(prompt) - 1)  # at least one token to run, for the next token's logits
-            if keep > 0:
-                try:
-                    opened = await self.client.continue_session(
-                        conversation.session_id, keep, prompt[keep:], remaining, *self._sampling()
-                    )
-                except SessionGone:  # expired while the user was typing: start over with the whole history
-                    conversation.reset()
+        if self.conversation is not None and self.conversation.session_id is not None:
+            opened = await self._continue(self.conversation, prompt, remaining)
         if opened is None:
             opened = await self.client.open_session(prompt, remaining, *self._sampling())
         self.session_id = opened.session_id
@@ -262,14 +269,44 @@ class Generation:
             self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
         self._commit([opened.first_token_id], wire.finish_from_proto(opened.finish_reason))
 
-    async def _resume(self, started: float) -> None:
-        """Reconnect and re-open the session with every committed token as its prompt."""
+    async def _continue(self, conversation: Conversation, prompt: list[int], remaining: int):
+        """The conversation's session continued with only the new tokens; None when it cannot be, its slot freed.
+
+        Every way out that leaves the session behind closes it: otherwise it holds its KV slot until the
+        server's idle timeout, and counts against this identity's cap on open sessions.
+        """
+        keep = min(_common_prefix(conversation.tokens, prompt), len(prompt) - 1)  # run >= 1 token, for logits
+        if keep > 0:
+            try:
+                return await self.client.continue_session(
+                    conversation.session_id, keep, prompt[keep:], remaining, *self._sampling()
+                )
+            except SessionGone:  # expired while the user was typing: start over with the whole history
+                conversation.reset()
+                return None
+            except ConnectionLost:
+                raise  # the session went with the connection's lease
+            except EdgeError:  # refused (e.g. the conversation outgrew the context): the answer fails
+                await self._drop_conversation_session()
+                raise
+        await self._drop_conversation_session()  # nothing in common to reuse: a fresh session replaces it
+        return None
+
+    async def _drop_conversation_session(self) -> None:
+        await self.client.close_session(self.conversation.session_id)
+        self.conversation.reset()
+
+    async def _recover(self, lost: Lost) -> None:
+        """After a lost session or connection: ready the client (it decides whether to reconnect) to re-open."""
+        self._fruitless_recoveries += 1
+        if self._fruitless_recoveries > MAX_FRUITLESS_RECOVERIES:
+            raise lost
+        log.warning("lost the session (%s); resuming", lost)
         self.stats.resumes += 1
         self.session_id = None
         if self.conversation is not None:
-            self.conversation.reset()
-        await self.client.reconnect()
-        await self._open(started)
+            self.conversation.reset()  # its session is the one lost
+        await self.client.recover(lost)
 
     async def _close_session(self) -> None:
         if self.session_id is not None:
@@ -292,15 +329,15 @@ class Generation:
                         self._commit(reply.token_ids, wire.finish_from_proto(reply.finish_reason))
                         if self.finish is not FinishReason.NONE:
                             break
-            except ConnectionLost as exc:
-                log.warning("lost the stream (%s); resuming", exc)
-                self.stats.resumes += 1
-                await self.client.reconnect()
+            except Lost as exc:
+                await self._recover(exc)
 
     def _sampling(self) -> tuple[SamplingParams, int | None]:
         return self.config.sampling, self.config.seed
 
     def _commit(self, token_ids: Sequence[int], finish: FinishReason) -> None:
+        if token_ids:
+            self._fruitless_recoveries = 0
         self.tokens += token_ids
         self.finish = finish
         if self.on_tokens(token_ids) and self.finish is FinishReason.NONE:

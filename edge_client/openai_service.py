@@ -192,6 +192,11 @@ async def _chunks(head: dict, shape: Shape, include_usage: bool, first_piece, pi
         yield {"data": "[DONE]"}
     except Exception as exc:  # noqa: BLE001 (the stream has begun: the error travels as an event, as OpenAI's do)
         yield {"data": json.dumps(as_api_error(exc).body())}
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise  # the client went away
+        # The answer's task was cancelled under it, not this stream: a stream must end with an error or [DONE].
+        yield {"data": json.dumps(APIError(502, "the answer was cancelled before it finished").body())}
     finally:
         work.cancel()  # the client went away: the answer's session is closed on the way out
 

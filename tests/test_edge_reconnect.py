@@ -1,0 +1,218 @@
+"""Concurrent answers of one `specedge-edge serve` ride out a server restart together.
+
+A real server process is killed (SIGKILL: its TCP connections reset, as when
+the link drops) while four streamed answers are mid-way, and comes back on
+the same port, twice. One EdgeClient carries all four, so each answer sees
+the failure at its own moment: in flight, waiting to send its prepared call,
+drafting, or only after another answer has already reconnected (its session
+then is unknown to the restarted server). Every
+answer must still be exactly the target's greedy answer, and every raw SSE
+stream must end with `[DONE]`. Before the fix (main at a1bfa3e) the
+speculative case failed in each of 6 runs (an answer died with `UsageError:
+Channel is closed`, its stream ending in an error event), and the
+server-only case can fail with CANCELLED (a stream cut by another answer's
+reconnect).
+
+Then the guard itself, step by step (a failure is blamed on the connection
+its call went out on), and the bound on re-opening against a server that
+refuses every session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import signal
+
+import openai
+import pytest
+
+from harness import ApiThread, free_port, start_server_process, tiny_server, wait_healthy
+from reference import greedy_decode
+from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, SessionGone
+from specedge.edge_client.openai_api import ServeConfig
+from specedge.edge_client.runtime import RuntimeConfig
+from specedge.edge_client.tokenizer import HFTokenizer
+from specedge.types import SamplingParams
+from specedge.v1 import specedge_pb2 as pb
+
+# Four prompts whose greedy answers with the tiny target run to the length limit.
+PROMPTS = ["print(i * i)", "Hello, nice to meet you", "return a + b", "edge 1 says hi"]
+MAX_TOKENS = 64
+FLAPS = 2  # the server is killed and restarted this many times during the answers
+CHUNKS_BEFORE_KILL = 3  # each answer still going has streamed this many chunks since the last restart
+
+
+@dataclasses.dataclass
+class Progress:
+    chunks: int = 0
+    done: bool = False
+
+
+async def raw_sse(client: openai.AsyncOpenAI, request: dict, progress: Progress) -> tuple[str, dict, list[str]]:
+    """The answer's text, its stats and its SSE data lines, read raw (the SDK would hide a missing [DONE])."""
+    data, text, stats = [], [], {}
+    try:
+        async with client.chat.completions.with_streaming_response.create(**request, stream=True) as response:
+            async for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data.append(line[len("data:") :].strip())
+                if data[-1] != "[DONE]":
+                    event = json.loads(data[-1])
+                    assert "error" not in event, event
+                    text.append(event["choices"][0]["delta"].get("content") or "")
+                    stats = event.get("specedge", stats)
+                    progress.chunks += 1
+    finally:
+        progress.done = True
+    return "".join(text), stats, data
+
+
+async def sdk_stream(client: openai.AsyncOpenAI, request: dict, progress: Progress) -> tuple[str, dict, None]:
+    text, stats = [], {}
+    try:
+        async for chunk in await client.chat.completions.create(**request, stream=True):
+            text.append(chunk.choices[0].delta.content or "")
+            stats = (chunk.model_extra or {}).get("specedge", stats)
+            progress.chunks += 1
+    finally:
+        progress.done = True
+    return "".join(text), stats, None
+
+
+# The speculative answers' server paces each identity's rounds, as a shared server would: the edge keeps
+# them under the rate (client.py), so an answer spends most of a round waiting to send its prepared call,
+# which is where another answer's reconnect catches it (on a closed channel, before the fix). The
+# server-only answers' server runs unpaced: it paces its own streams, one token a step, far too slowly.
+PACED = ("--max-rounds-per-second", "8", "--round-burst", "1")
+
+
+@pytest.mark.parametrize("server_only_answers", [False, True], ids=["speculative", "server-only"])
+def test_four_answers_survive_a_server_restart(tiny_target_dir, tiny_draft_dir, reference_model, server_only_answers):
+    port = free_port()
+    server_args = ("--model", str(tiny_target_dir), "--max-context", "512", "--log-level", "warning",
+                   *(() if server_only_answers else PACED))  # fmt: skip
+    processes = [start_server_process(*server_args, port=port)[0]]
+    address = f"127.0.0.1:{port}"
+    tokenizer = HFTokenizer(tiny_draft_dir)
+    messages = [[{"role": "user", "content": content}] for content in PROMPTS]
+    try:
+        eos = set(tokenizer.eos_token_ids)
+        expected = [greedy_decode(reference_model, tokenizer.apply_chat_template(m), MAX_TOKENS, eos) for m in messages]
+        assert [len(e) for e in expected] == [MAX_TOKENS] * len(PROMPTS)  # long enough to be cut mid-way
+        edge = EdgeConfig(num_draft=4, simulated_rtt_ms=20, reconnect_timeout_s=120, follow_advice=False)
+        runtime = RuntimeConfig(server=address, draft=str(tiny_draft_dir), edge=edge, num_drafters=len(PROMPTS),
+                                server_only=server_only_answers)  # fmt: skip
+        with ApiThread(runtime, ServeConfig(port=0)) as api:
+            model = wait_healthy(api.base_url, timeout_s=120)["model"]
+            progress = [Progress() for _ in PROMPTS]
+
+            def restart() -> None:
+                processes[-1].send_signal(signal.SIGKILL)
+                processes[-1].wait()
+                processes.append(start_server_process(*server_args, port=port)[0])
+
+            async def flap() -> int:
+                """Kill and restart the server mid-answer, FLAPS times (fewer if the answers are over); how often."""
+                for flaps in range(FLAPS):
+                    marks = [p.chunks for p in progress]
+                    while not all(p.done or p.chunks - mark >= CHUNKS_BEFORE_KILL for p, mark in zip(progress, marks)):
+                        await asyncio.sleep(0.005)
+                    if all(p.done for p in progress):
+                        return flaps
+                    await asyncio.to_thread(restart)
+                return FLAPS
+
+            async def ask_all():
+                async with openai.AsyncOpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0,
+                                              timeout=300) as client:  # fmt: skip
+                    requests = [dict(model=model, messages=m, max_tokens=MAX_TOKENS, temperature=0) for m in messages]
+                    # Two read raw (to see [DONE]), two through the SDK's own stream parsing.
+                    readers = [raw_sse, raw_sse, sdk_stream, sdk_stream]
+                    answers = [read(client, r, p) for read, r, p in zip(readers, requests, progress)]
+                    return await asyncio.gather(*answers, flap())
+
+            *answers, flaps = asyncio.run(asyncio.wait_for(ask_all(), 300))
+        texts, stats, raw = zip(*answers)
+        assert list(texts) == [tokenizer.decode([t for t in e if t not in eos]) for e in expected]
+        assert flaps >= 1 and all(s["resumes"] >= 1 for s in stats), (flaps, stats)  # restarts cut every answer
+        for data in raw[:2]:
+            assert data[-1] == "[DONE]" and data.count("[DONE]") == 1, data[-3:]
+    finally:
+        for process in processes:
+            process.kill()
+
+
+def test_only_the_first_answer_to_notice_a_lost_connection_reconnects(tiny_target_dir, tiny_draft_dir):
+    """The reconnect guard, step by step: a failure is blamed on the connection its call went out on."""
+    tokenizer = HFTokenizer(tiny_draft_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
+    greedy = SamplingParams()
+
+    async def run(server):
+        sessions = server.server.engine.sessions
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            first = await client.open_session(prompt, 8, greedy, None)
+            # Another answer saw the connection break and reconnected: the old lease took the session with it.
+            await client.recover(ConnectionLost("reset by peer", epoch=1))
+            await asyncio.sleep(0.2)  # the server notices the cancelled lease
+            assert first.session_id not in sessions
+            with pytest.raises(SessionGone) as gone:
+                await client.verify(pb.VerifyRequest(session_id=first.session_id, num_generated=1))
+            assert gone.value.epoch == 2  # it went out on the new connection, whose lease holds
+            await client.recover(gone.value)
+            again = await client.open_session(prompt, 8, greedy, None)
+            # Late news of the first break (a call cut short on the old connection) must not break the new one.
+            await client.recover(ConnectionLost("cut short", epoch=1))
+            await client.recover(SessionGone("unknown session", epoch=1))
+            await asyncio.sleep(0.2)
+            assert again.session_id in sessions
+            reply = await client.verify(pb.VerifyRequest(session_id=again.session_id, num_generated=1))
+            assert reply.token_ids
+
+    with tiny_server(tiny_target_dir) as server:
+        asyncio.run(run(server))
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_a_server_that_refuses_every_session_ends_the_answer(tiny_target_dir, tiny_draft_dir, speculative):
+    """Draining, with no other server to go to: the handshake succeeds, every session is refused. The answer
+    reconnects a bounded number of times, then fails with the server's reason instead of looping forever."""
+    from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+    from specedge.edge_client.generation import MAX_FRUITLESS_RECOVERIES
+
+    tokenizer = HFTokenizer(tiny_draft_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
+
+    async def run(server):
+        server.server.engine.draining = "server s1 is draining (test): it admits no new sessions"
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
+            drafter = TorchDrafter(tiny_draft_dir) if speculative else None
+            with pytest.raises(ConnectionLost, match="is draining") as refused:
+                await asyncio.wait_for(client.generate(prompt, drafter), 30)
+            return refused.value, client._epoch
+
+    with tiny_server(tiny_target_dir) as server:
+        refused, connections = asyncio.run(run(server))
+    assert connections == 1 + MAX_FRUITLESS_RECOVERIES  # the first connection, then one per attempt to re-open
+    assert "is draining" in str(refused) and not server.server.engine.sessions
+
+
+def test_an_answer_cancelled_under_its_stream_ends_it_with_an_error_event():
+    """Whatever kills an answer's task, its SSE stream says so: never a stream that just stops."""
+    from specedge.edge_client.openai_schema import CHAT
+    from specedge.edge_client.openai_service import _chunks
+
+    async def run():
+        work = asyncio.get_running_loop().create_future()
+        work.cancel()  # as an answer's task ends when a CancelledError escapes it
+        pieces: asyncio.Queue = asyncio.Queue()
+        pieces.put_nowait(None)
+        head = {"id": "chatcmpl-1", "created": 0, "model": "m"}
+        return [event["data"] async for event in _chunks(head, CHAT, False, "Hi", pieces, work)]
+
+    first, last = asyncio.run(run())
+    assert json.loads(first)["choices"][0]["delta"]["content"] == "Hi"
+    assert json.loads(last)["error"]["message"] == "the answer was cancelled before it finished"
