@@ -56,6 +56,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         "GEMM peak": results["limits"]["gemm"]["peak_gflop_s"],
         "weight bytes": results["model"]["weight_bytes"],
         "HF ms per token": results["hf"].get("ms_per_token"),
+        "host fraction in the race": results["host"].get("fraction_within_race_bound"),
         **{f"host {kind}": results["host"].get(kind, {}).get("ms") for kind in ("greedy", "sampled", "rejection")},
         **{f"roofline {name}": results["roofline"].get(name, {}).get("ms") for name in DEFAULT_STEPS},
     }
@@ -63,7 +64,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         run = results["paths"].get(path, {})
         assert run.get("matmul") == path, f"{path}: the path that ran was {run.get('matmul')}"
         figures |= {f"{path} {name}": run.get("steps", {}).get(name, {}).get("ms") for name in DEFAULT_STEPS}
-        figures |= {f"{path} {key}": run.get(key) for key in ("kv_cache_bytes", "peak_rss_bytes", "load_s")}
+        figures |= {f"{path} {key}": run.get(key) for key in ("kv_cache_bytes", "peak_rss_bytes", "rss_anon_bytes", "load_s")}
     missing = {name: value for name, value in figures.items() if not (isinstance(value, (int, float)) and value > 0)}
     assert not missing, f"missing or non-positive figures: {missing}"
     assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(PATHS)
