@@ -4,6 +4,7 @@
     specedge-bench --num-edges 1 2 4 8 16 --out results  # the full sweep (RTT 0 and 14 ms)
     specedge-bench --target random:qwen2-7b --device cuda --modes ar specedge specedge_proactive
     specedge-bench profile                               # record the real pair's acceptance profile
+    specedge-bench engine --out /tmp/engine              # the target's forwards against this machine's limits
 
 Every failure ends in one line on stderr and exit status 2.
 """
@@ -20,7 +21,7 @@ from specedge.edge_client.drafting.base import TreeBudget
 
 from .config import DEFAULT_PRICES, EDGE_KINDS, MODES, BenchConfig, Pricing, quick
 
-SUBCOMMANDS = ("run", "profile")
+SUBCOMMANDS = ("run", "profile", "engine")
 
 
 def _run_parser(sub) -> None:
@@ -78,6 +79,30 @@ def _profile_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _engine_parser(sub) -> None:
+    import dataclasses
+
+    from .engine import DEFAULT_STEPS, PATHS, EngineBenchConfig
+
+    defaults = {field.name: field for field in dataclasses.fields(EngineBenchConfig)}
+    p = sub.add_parser("engine", help="time the target's forwards against this machine's measured limits (CPU)")
+    p.add_argument("--target", default=defaults["target"].default, help="model name, path, or random:PRESET")
+    p.add_argument("--matmul", nargs="+", default=list(PATHS), help=f"paths to time: {' and/or '.join(PATHS)}")
+    p.add_argument("--steps", nargs="+", default=list(DEFAULT_STEPS),
+                   help="ROWSxTOKENS on a cached prefix, +pN for a prefill row from 0, or both (e.g. 7x5+p120)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=defaults["repeats"].default, help="timed runs; medians reported")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    p.add_argument("--dtype", default=defaults["dtype"].default, help="float32, or bfloat16 (changes numerics)")
+    p.add_argument("--prefix", type=int, default=defaults["prefix"].default, help="cached tokens per row")
+    p.add_argument("--stream-gb", type=float, default=defaults["stream_gb"].default, help="bandwidth test size")
+    p.add_argument("--gemm-m", type=int, nargs="+", default=list(defaults["gemm_m"].default), help="GEMM rows tried")
+    p.add_argument("--hf-decode", type=int, default=defaults["hf_decode"].default,
+                   help="transformers greedy steps timed (0: skip)")  # fmt: skip
+    p.add_argument("--host-rows", type=int, default=defaults["host_rows"].default, help="rows of draws timed")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="write engine.json and engine.md here")
+    p.add_argument("--no-progress", action="store_true")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
@@ -86,6 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _profile_parser(sub)
+    _engine_parser(sub)
     return parser.parse_args(argv)
 
 
@@ -122,7 +148,8 @@ def _interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return guarded(lambda: _profile(args) if args.command == "profile" else _run(args))
+    command = {"run": _run, "profile": _profile, "engine": _engine}[args.command]
+    return guarded(lambda: command(args))
 
 
 def guarded(command: Callable[[], int]) -> int:
@@ -176,6 +203,22 @@ def _profile(args: argparse.Namespace) -> int:
         print(f"{name:14s} acceptance by depth {list(category.acceptance)}  runner-up hit {category.runner_up_hit}")
     print(f"draft latency {profile.draft_s_per_call * 1e3:.1f} ms/call + {profile.draft_s_per_token * 1e3:.1f} ms/token")
     print(f"wrote {config.out_path}", file=sys.stderr)
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from .engine import EngineBenchConfig, engine_markdown, run_engine_bench, write_engine_report
+
+    config = EngineBenchConfig(
+        target=args.target, matmul=tuple(args.matmul), steps=tuple(args.steps), repeats=args.repeats,
+        threads=args.threads, dtype=args.dtype, prefix=args.prefix, stream_gb=args.stream_gb,
+        gemm_m=tuple(args.gemm_m), hf_decode=args.hf_decode, host_rows=args.host_rows,
+    )  # fmt: skip
+    results = run_engine_bench(config, progress=not args.no_progress)
+    print(engine_markdown(results))
+    if args.out is not None:
+        paths = write_engine_report(results, args.out)
+        print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,485 @@
+"""`specedge-bench engine`: how close the target's forwards come to this machine's limits, in one run.
+
+    specedge-bench engine --out /tmp/engine                  # the real 1.5B, eager and onednn, 5 repeats
+    specedge-bench engine --steps 1x1 8x5 --matmul onednn --repeats 3
+
+Measured one after the other in this process (CPU only):
+
+1. the limits: memory stream bandwidth (a sum over a --stream-gb float32 tensor) and the peak GEMM rate
+   (oneDNN's packed linear and eager F.linear, on a weight of the model's MLP shape, at M = --gemm-m);
+2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
+   bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1;
+3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
+4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits;
+5. peak RSS after each phase and the KV cache each path reserved.
+
+A step is named ROWSxTOKENS, +pN or both: "8x5" is 8 rows of 5 new tokens (causal chains with every
+token's logits, like verify rounds), each on a --prefix-token cache; "+p120" adds one 120-token prefill
+row from position 0 (last logits only); "p155" is that prefill row alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from specedge import noise
+from specedge.registry import ResolvedModel, resolve
+from specedge.server.draws import RowDraw, draw_rows
+from specedge.server.loading import load_target, weights_dir
+from specedge.server.matmul import PackedLinear, onednn_unavailable
+from specedge.server.model import ModelArgs
+from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
+from specedge.types import SamplingParams, SparseDist
+
+PATHS = ("eager", "onednn")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_STEPS = ("1x1", "1x5", "8x1", "8x5", "16x5", "7x5+p120", "p155")
+HOST_TOKENS_PER_ROW = 5  # a verify round: the pending token and 4 drafts
+HOST_TEMPERATURE = 0.8
+DRAFT_TOP = 20  # tokens in each draft distribution q sent with a sampled round
+_STEP_NAME = re.compile(r"(?:(\d+)x(\d+))?(?:\+?p(\d+))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One forward: `rows` rows of `new_tokens` on a cached prefix, and optionally one prefill row from 0."""
+
+    name: str
+    rows: int
+    new_tokens: int
+    prefill: int  # 0: no prefill row
+
+    @classmethod
+    def parse(cls, name: str) -> Step:
+        match = _STEP_NAME.fullmatch(name)
+        rows, new_tokens, prefill = (int(g) if g else 0 for g in match.groups()) if match else (0, 0, 0)
+        if (rows == 0) != (new_tokens == 0) or rows + prefill == 0:
+            raise ValueError(f"--steps wants ROWSxTOKENS, +pN or both (e.g. 8x5, 7x5+p120, p155), got {name!r}")
+        return cls(name, rows, new_tokens, prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows * self.new_tokens + self.prefill
+
+    @property
+    def num_logits(self) -> int:
+        return self.rows * self.new_tokens + (1 if self.prefill else 0)
+
+    def requests(self, prefix: int, token_ids: list[int]) -> list[ForwardRequest]:
+        """Row i in slot i on its `prefix` cached tokens; the prefill row in the next slot, from position 0."""
+        rows = [
+            ForwardRequest(slot, prefix, tuple(token_ids[: self.new_tokens]), all_logits=True) for slot in range(self.rows)
+        ]
+        if self.prefill:
+            rows.append(ForwardRequest(self.rows, 0, tuple(token_ids[: self.prefill]), all_logits=False))
+        return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineBenchConfig:
+    target: str = "qwen2.5-coder-1.5b"  # a model name, path, or random:PRESET
+    matmul: tuple[str, ...] = PATHS  # the matrix-product paths whose forwards are timed (server/matmul.py)
+    steps: tuple[str, ...] = DEFAULT_STEPS
+    repeats: int = 5  # timed runs of each measurement (after one untimed); medians are reported
+    threads: int | None = None  # torch threads; None: every core this process may use
+    dtype: str = "float32"  # bfloat16 halves the weight stream but changes the target's numerics
+    prefix: int = 200  # cached tokens of each non-prefill row (and HF's prompt)
+    stream_gb: float = 2.0  # size of the tensor summed to measure memory bandwidth
+    gemm_m: tuple[int, ...] = (64, 128, 256)  # GEMM rows tried for the peak rate
+    hf_decode: int = 16  # HF greedy decode steps timed; 0 skips HF
+    host_rows: int = 64  # rows of HOST_TOKENS_PER_ROW logits each for the host-time draws
+
+    def __post_init__(self):
+        if not self.matmul or any(path not in PATHS for path in self.matmul):
+            raise ValueError(f"--matmul takes {' and/or '.join(PATHS)}, got {' '.join(self.matmul) or 'nothing'}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype takes {' or '.join(DTYPES)}, got {self.dtype!r}")
+        for step in self.steps:
+            Step.parse(step)
+        if not self.steps:
+            raise ValueError("--steps needs at least one step")
+        if min(self.repeats, self.prefix, self.host_rows, *self.gemm_m) < 1 or self.hf_decode < 0:
+            raise ValueError("--repeats, --prefix, --host-rows and --gemm-m must be >= 1, --hf-decode >= 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if not 0 < self.stream_gb <= 64:
+            raise ValueError(f"--stream-gb must be in (0, 64], got {self.stream_gb}")
+        if "onednn" in self.matmul and (reason := onednn_unavailable(torch.device("cpu"), DTYPES[self.dtype])):
+            raise ValueError(f"--matmul onednn cannot run: {reason}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """What one forward must stream and compute, from the model's shape (norms and biases are negligible)."""
+
+    layer_params: int  # matrix weights of all decoder layers
+    head_params: int  # the LM head's; a tied embedding is counted here once (a lookup reads only a few rows)
+    attention_flops_per_key: int  # QK^T and PV for one token against one cached key, all layers and heads
+    bytes_per_param: int
+
+    @classmethod
+    def of(cls, args: ModelArgs, dtype: torch.dtype) -> CostModel:
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        per_layer = args.hidden_size * (2 * q_size + 2 * kv_size) + 3 * args.hidden_size * args.intermediate_size
+        return cls(
+            layer_params=args.num_layers * per_layer,
+            head_params=args.vocab_size * args.hidden_size,
+            attention_flops_per_key=4 * args.num_layers * args.num_heads * args.head_dim,
+            bytes_per_param=torch.finfo(dtype).bits // 8,
+        )
+
+    @property
+    def weight_bytes(self) -> int:
+        return (self.layer_params + self.head_params) * self.bytes_per_param
+
+    def flops(self, step: Step, prefix: int) -> float:
+        """Every token runs the layers, only logit rows run the LM head, each token attends its keys."""
+
+        def keys(cached: int, new: int) -> int:  # token j of a chain sees cached + j + 1 keys
+            return new * cached + new * (new + 1) // 2
+
+        num_keys = step.rows * keys(prefix, step.new_tokens) + keys(0, step.prefill)
+        return 2.0 * (step.num_tokens * self.layer_params + step.num_logits * self.head_params) + (
+            self.attention_flops_per_key * num_keys
+        )
+
+    def roofline_s(self, step: Step, prefix: int, bandwidth_gb_s: float, peak_gflop_s: float) -> float:
+        return max(self.weight_bytes / (bandwidth_gb_s * 1e9), self.flops(step, prefix) / (peak_gflop_s * 1e9))
+
+
+def _times_ms(fn: Callable[[], object], repeats: int) -> list[float]:
+    """`repeats` timings of fn after one untimed call (first-call packing, page faults)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _memory() -> dict:
+    """Peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS) and, where /proc exists, the RSS now.
+
+    rss_anon_bytes is the private part: weights read from a memory-mapped safetensors file count in RSS as
+    file pages (clean, reclaimable) for as long as any tensor keeps that mapping alive.
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    status = {}
+    try:  # "RssAnon:   6378688 kB"
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            status[key] = int(value.split()[0]) * 1024 if value.strip().endswith("kB") else None
+    except OSError:
+        pass
+    return {"peak_rss_bytes": peak, "rss_bytes": status.get("VmRSS"), "rss_anon_bytes": status.get("RssAnon")}
+
+
+def stream_bandwidth(gb: float, repeats: int) -> dict:
+    """GB/s of a sum over a float32 tensor far larger than any cache (every core reads its share)."""
+    data = torch.ones(int(gb * 1e9) // 4)
+    times = _times_ms(data.sum, repeats)
+    rates = [data.nbytes / (t * 1e6) for t in times]
+    return {"bytes": data.nbytes, "times_ms": times, "gb_s_median": statistics.median(rates), "gb_s_best": max(rates)}
+
+
+def gemm_rates(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
+    """GFLOP/s of y = x W^T on [out, in] W for each M, eager and (where it runs) oneDNN-packed; medians."""
+    weight = torch.randn(out_features, in_features).to(dtype)
+    paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"eager": lambda x: F.linear(x, weight)}
+    if onednn_unavailable(torch.device("cpu"), dtype) is None:
+        paths["onednn"] = PackedLinear(weight, None)
+    rows = []
+    with torch.inference_mode():
+        for m in ms:
+            x = torch.randn(m, in_features).to(dtype)
+            for path, linear in paths.items():
+                times = _times_ms(lambda linear=linear, x=x: linear(x), repeats)
+                gflop_s = 2 * m * out_features * in_features / (statistics.median(times) * 1e6)
+                rows.append({"path": path, "m": m, "times_ms": times, "gflop_s": gflop_s})
+    return {"shape": [out_features, in_features], "rows": rows, "peak_gflop_s": max(r["gflop_s"] for r in rows)}
+
+
+def _token_ids(vocab_size: int, count: int) -> list[int]:
+    return torch.randint(vocab_size, (count,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def time_path(
+    resolved: ResolvedModel, path: str, config: EngineBenchConfig, steps: list[Step], progress: Callable[[str], None]
+) -> tuple[dict, torch.Tensor, ModelArgs]:
+    """Load the target on one matmul path and time every step; also the largest step's logits, and the shape."""
+    dtype, cpu = DTYPES[config.dtype], torch.device("cpu")
+    start = time.perf_counter()
+    target = load_target(resolved, device=cpu, dtype=dtype, matmul=path)
+    load_s = time.perf_counter() - start
+    progress(f"{path}: loaded {target.name} in {load_s:.1f} s")
+    model = target.model
+    num_slots = max(step.rows + (1 if step.prefill else 0) for step in steps)
+    max_len = max(max(config.prefix + step.new_tokens, step.prefill) for step in steps)
+    kv = KVCache(model, num_slots=num_slots, max_len=max_len, device=cpu, dtype=dtype)
+    runner = ModelRunner(model, kv)
+    token_ids = _token_ids(model.args.vocab_size, max(config.prefix, max_len))
+    # Every slot holds the same prefix: computed once in slot 0, then copied.
+    runner.forward([ForwardRequest(0, 0, tuple(token_ids[: config.prefix]), all_logits=False)])
+    for cache in (*kv.k, *kv.v):
+        cache[1:, : config.prefix] = cache[0, : config.prefix]
+    results: dict[str, dict] = {}
+    for step in steps:
+        requests = step.requests(config.prefix, token_ids)
+        times = _times_ms(lambda requests=requests: runner.forward_packed(requests), config.repeats)
+        results[step.name] = {"ms": statistics.median(times), "times_ms": times}
+        progress(f"{path} {step.name}: {results[step.name]['ms']:.1f} ms")
+    largest = max(steps, key=lambda step: step.num_logits)
+    sample = runner.forward_packed(largest.requests(config.prefix, token_ids))  # [num_logits, vocab]
+    kv_bytes = sum(t.nbytes for t in (*kv.k, *kv.v))
+    figures = {"matmul": target.matmul, "load_s": load_s, "steps": results, "kv_cache_bytes": kv_bytes, **_memory()}
+    return figures, sample, model.args
+
+
+def hf_greedy(resolved: ResolvedModel, config: EngineBenchConfig, progress: Callable[[str], None]) -> dict:
+    """transformers' own model and KV cache: a --prefix-token prompt, then --hf-decode greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(weights_dir(resolved), dtype=DTYPES[config.dtype]).eval()
+    prompt = torch.tensor([_token_ids(model.config.vocab_size, config.prefix)])
+    times = []
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model(prompt, use_cache=True)
+        prefill_ms = (time.perf_counter() - start) * 1e3
+        for _ in range(config.hf_decode):
+            next_token = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
+            start = time.perf_counter()
+            out = model(next_token, past_key_values=out.past_key_values, use_cache=True)
+            times.append((time.perf_counter() - start) * 1e3)
+    del model, out
+    result = {"prefill_ms": prefill_ms, "times_ms": times, "ms_per_token": statistics.median(times), **_memory()}
+    progress(f"transformers: {result['ms_per_token']:.1f} ms per token")
+    return result
+
+
+def host_draws(sample: torch.Tensor, config: EngineBenchConfig) -> dict:
+    """draw_rows over host_rows verify rounds of real logits (the sample's rows, repeated): ms per step."""
+    num_logits = config.host_rows * HOST_TOKENS_PER_ROW
+    logits = sample.repeat(math.ceil(num_logits / sample.shape[0]), 1)[:num_logits].contiguous()  # [L, V]
+    positions = tuple(config.prefix + d for d in range(HOST_TOKENS_PER_ROW))
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=HOST_TEMPERATURE)
+
+    def rejection_row(start: int) -> RowDraw:
+        # q of draft j: the target's own top tokens before it, as from a good draft model.
+        probs = (logits[start : start + HOST_TOKENS_PER_ROW - 1].double() / HOST_TEMPERATURE).softmax(dim=-1)
+        top = probs.topk(DRAFT_TOP, dim=-1)
+        dists = tuple(SparseDist(ids.tolist(), (p / p.sum()).tolist()) for p, ids in zip(top.values, top.indices))
+        return RowDraw(HOST_TOKENS_PER_ROW, sampled, 0, positions, tuple(d.token_ids[0] for d in dists), dists)
+
+    kinds = {
+        "greedy": [RowDraw(HOST_TOKENS_PER_ROW, greedy, 0, positions)] * config.host_rows,
+        "sampled": [RowDraw(HOST_TOKENS_PER_ROW, sampled, 0, positions)] * config.host_rows,
+        "rejection": [rejection_row(i * HOST_TOKENS_PER_ROW) for i in range(config.host_rows)],
+    }
+    # How much of the vocabulary the race must draw noise for: its bound is logit >= max + T * (g - GUMBEL_MAX).
+    within_reach = logits >= (logits.max(dim=-1).values - HOST_TEMPERATURE * noise.GUMBEL_MAX)[:, None]
+    results = {"logits_shape": list(logits.shape), "fraction_within_race_bound": within_reach.float().mean().item()}
+    for kind, rows in kinds.items():
+        times = _times_ms(lambda rows=rows: draw_rows(logits, rows), config.repeats)
+        results[kind] = {"ms": statistics.median(times), "times_ms": times}
+    return results
+
+
+def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dict:
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
+    threads = config.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    torch.set_num_threads(threads)
+    steps = [Step.parse(name) for name in config.steps]
+    resolved = resolve(config.target)
+    meta = _machine(config, threads)
+
+    limits = {"stream": stream_bandwidth(config.stream_gb, config.repeats)}
+    limits["gemm"] = gemm_rates(*_mlp_shape(resolved), config.gemm_m, DTYPES[config.dtype], config.repeats)
+    limits["memory"] = _memory()
+    bandwidth, peak = limits["stream"]["gb_s_median"], limits["gemm"]["peak_gflop_s"]
+    say(f"limits: stream {bandwidth:.1f} GB/s (median), GEMM peak {peak:.0f} GFLOP/s")
+
+    paths, sample, args = {}, None, None
+    for path in config.matmul:
+        paths[path], logits, args = time_path(resolved, path, config, steps, say)
+        sample = logits if sample is None else sample
+        del logits
+        gc.collect()  # the previous path's weights go before the next path loads its own
+    cost = CostModel.of(args, DTYPES[config.dtype])
+    hf = {"skipped": "random weights exist only in this process"} if resolved.format == "random" else None
+    if hf is None and config.hf_decode == 0:
+        hf = {"skipped": "--hf-decode 0"}
+    hf = hf or hf_greedy(resolved, config, say)
+    gc.collect()
+    host = host_draws(sample, config)
+    meta["load_average_after"] = os.getloadavg()
+
+    roofline = {
+        step.name: {
+            "tokens": step.num_tokens,
+            "logits": step.num_logits,
+            "gflop": cost.flops(step, config.prefix) / 1e9,
+            "ms": cost.roofline_s(step, config.prefix, bandwidth, peak) * 1e3,
+        }
+        for step in steps
+    }
+    model = {**dataclasses.asdict(cost), "weight_bytes": cost.weight_bytes, "args": dataclasses.asdict(args)}
+    return {"meta": meta, "model": model, "limits": limits, "roofline": roofline, "paths": paths, "hf": hf, "host": host}
+
+
+def _mlp_shape(resolved: ResolvedModel) -> tuple[int, int]:
+    """[intermediate, hidden]: the shape of the target's gate and up weights, read before any weights load."""
+    if resolved.format == "random":
+        from specedge.server.random_model import PRESETS, preset_of
+
+        shape = PRESETS[preset_of(resolved.name)]
+        return shape.intermediate_size, shape.hidden_size
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(weights_dir(resolved))
+    return config.intermediate_size, config.hidden_size
+
+
+def _machine(config: EngineBenchConfig, threads: int) -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor())
+    return {
+        "config": dataclasses.asdict(config),
+        "command": " ".join(sys.argv),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "threads": threads,
+        "torch": importlib.metadata.version("torch"),
+        "platform": platform.platform(),
+        "load_average_before": os.getloadavg(),
+    }
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def write_engine_report(results: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """engine.json (every raw figure) and engine.md (the tables)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "engine.json", out_dir / "engine.md"]
+    paths[0].write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    paths[1].write_text(engine_markdown(results))
+    return paths
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def _rss(memory: dict) -> str:
+    return " | ".join(_gib(memory[key]) for key in ("peak_rss_bytes", "rss_bytes", "rss_anon_bytes"))
+
+
+def engine_markdown(results: dict) -> str:
+    meta, limits, model, paths = results["meta"], results["limits"], results["model"], results["paths"]
+    config, stream, gemm = meta["config"], limits["stream"], limits["gemm"]
+    bandwidth, peak = stream["gb_s_median"], gemm["peak_gflop_s"]
+    load = "/".join(f"{v:.2f}" for v in meta["load_average_before"]), "/".join(f"{v:.2f}" for v in meta["load_average_after"])
+    lines = [
+        f"# specedge-bench engine: {config['target']}, {config['dtype']}, {meta['threads']} threads",
+        "",
+        f"{meta['cpu']} ({meta['cpus']} CPUs), torch {meta['torch']}; load average {load[0]} before, {load[1]} after.",
+        *(["bfloat16 weights change the target's numerics (the operator's choice, never a silent default)."]
+          if config["dtype"] == "bfloat16" else []),  # fmt: skip
+        "",
+        "## Limits (measured in this run)",
+        "",
+        "| limit | median | best | measured on |",
+        "|---|---|---|---|",
+        f"| memory stream | {stream['gb_s_median']:.1f} GB/s | {stream['gb_s_best']:.1f} GB/s | "
+        f"sum over {stream['bytes'] / 1e9:.2f} GB float32 |",
+    ]
+    for row in gemm["rows"]:
+        best = 2 * row["m"] * math.prod(gemm["shape"]) / (min(row["times_ms"]) * 1e6)
+        lines.append(f"| GEMM {row['path']} M={row['m']} | {_rate(row['gflop_s'])} GFLOP/s | {_rate(best)} GFLOP/s | "
+                     f"[{row['m']}, {gemm['shape'][1]}] x [{gemm['shape'][1]}, {gemm['shape'][0]}] |")  # fmt: skip
+    gflop_per_token = 2 * (model["layer_params"] + model["head_params"]) / 1e9
+    lines += [
+        "",
+        f"Roofline of a forward = max(weight bytes / {bandwidth:.1f} GB/s, FLOPs / {_rate(peak)} GFLOP/s), the median "
+        f"stream and the highest median GEMM rate: {model['weight_bytes'] / 1e9:.2f} GB of matrix weights "
+        f"(floor {model['weight_bytes'] / bandwidth / 1e6:.1f} ms), {gflop_per_token:.2f} GFLOP per token "
+        "(the LM head only on tokens whose logits are wanted) plus attention over the cache.",
+        "",
+        f"## Forwards ({config['prefix']} cached tokens per row; median of {config['repeats']})",
+        "",
+        "| step | tokens | eager ms | onednn ms | roofline ms | eager/roofline | onednn/roofline | speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, roof in results["roofline"].items():
+        eager, onednn = (paths[p]["steps"][name]["ms"] if p in paths else None for p in PATHS)
+        lines.append(
+            f"| {name} | {roof['tokens']} | {_ms(eager)} | {_ms(onednn)} | {roof['ms']:.1f} | "
+            f"{_x(eager and eager / roof['ms'])} | {_x(onednn and onednn / roof['ms'])} | "
+            f"{_x(eager / onednn if eager and onednn else None)} |"
+        )
+    hf, host = results["hf"], results["host"]
+    lines += ["", "## transformers' own greedy decoding, same weights", ""]
+    if "skipped" in hf:
+        lines.append(f"Skipped: {hf['skipped']}.")
+    else:
+        ours = ", ".join(f"{p} {paths[p]['steps']['1x1']['ms']:.1f} ms" for p in paths if "1x1" in paths[p]["steps"])
+        lines.append(f"{hf['ms_per_token']:.1f} ms per token (median of {len(hf['times_ms'])} decode steps after a "
+                     f"{config['prefix']}-token prompt, which took {hf['prefill_ms']:.0f} ms)"
+                     + (f"; this engine's 1x1 step: {ours}." if ours else "."))  # fmt: skip
+    rows, vocab = host["logits_shape"]
+    lines += [
+        "",
+        f"## Host time per step: draw_rows over {rows // HOST_TOKENS_PER_ROW} rows x {HOST_TOKENS_PER_ROW} tokens "
+        f"([{rows}, {vocab}] logits from a random-token context)",
+        "",
+        f"The sampled race draws noise for {host['fraction_within_race_bound']:.0%} of these logits (those within "
+        f"T x {noise.GUMBEL_MAX:g} of their row's max); a random context's logits are flatter than text's.",
+        "",
+        "| draws | ms |",
+        "|---|---|",
+        f"| greedy | {host['greedy']['ms']:.1f} |",
+        f"| sampled, T={HOST_TEMPERATURE}, no q (verified by matching samples) | {host['sampled']['ms']:.1f} |",
+        f"| sampled, T={HOST_TEMPERATURE}, top-{DRAFT_TOP} q (rejection sampling) | {host['rejection']['ms']:.1f} |",
+        "",
+        "## Memory",
+        "",
+        "| after | peak RSS GiB | RSS GiB | of which private GiB | KV cache GiB |",
+        "|---|---|---|---|---|",
+        f"| limits | {_rss(limits['memory'])} | - |",
+        *(f"| {p} path | {_rss(f)} | {_gib(f['kv_cache_bytes'])} |" for p, f in paths.items()),
+        *([] if "skipped" in hf else [f"| transformers | {_rss(hf)} | - |"]),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,101 @@
+"""specedge-bench engine: the cost model by hand, then the whole sub-command on the tiny target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specedge.bench import cli
+from specedge.bench.engine import DEFAULT_STEPS, PATHS, CostModel, Step
+from specedge.server.model import ModelArgs
+
+# Qwen2.5-Coder-1.5B's shape: 1.54 B matrix-weight parameters, the LM head tied to the embedding.
+QWEN_1_5B = ModelArgs(151936, 1536, 8960, 28, 12, 2, 128, 1e-6, True, True, 32768)
+
+
+def test_steps_parse_into_rows_on_a_prefix_and_a_prefill_row_from_zero():
+    mixed = Step.parse("7x5+p120")
+    assert (mixed.rows, mixed.new_tokens, mixed.prefill, mixed.num_tokens, mixed.num_logits) == (7, 5, 120, 155, 36)
+    requests = mixed.requests(200, list(range(300)))
+    assert [(r.slot, r.num_cached, len(r.token_ids), r.all_logits) for r in requests] == [
+        *((slot, 200, 5, True) for slot in range(7)), (7, 0, 120, False)
+    ]
+    assert Step.parse("p155").requests(200, list(range(300)))[0].num_cached == 0
+    for bad in ("8y5", "x5", "8x", "p0", "0x0", ""):
+        with pytest.raises(ValueError, match="--steps wants ROWSxTOKENS"):
+            Step.parse(bad)
+
+
+def test_roofline_counts_a_tied_head_once_and_runs_it_only_for_wanted_logits():
+    cost = CostModel.of(QWEN_1_5B, torch.float32)
+    assert cost.layer_params + cost.head_params == 1_543_569_408
+    assert cost.weight_bytes == 4 * 1_543_569_408  # 6.17 GB: the floor of every fp32 forward
+    attention_per_key = 4 * 28 * 12 * 128
+    assert cost.flops(Step.parse("1x1"), 200) == 2 * 1_543_569_408 + attention_per_key * 201
+    # A 155-token prefill runs the LM head once, not 155 times.
+    prefill = cost.flops(Step.parse("p155"), 200)
+    assert prefill == 2 * (155 * cost.layer_params + cost.head_params) + attention_per_key * 155 * 156 // 2
+    # One token is bandwidth-bound; 155 tokens are compute-bound at 400 GFLOP/s.
+    assert cost.roofline_s(Step.parse("1x1"), 200, 45.0, 400.0) == pytest.approx(cost.weight_bytes / 45e9)
+    assert cost.roofline_s(Step.parse("p155"), 200, 45.0, 400.0) == pytest.approx(prefill / 400e9)
+
+
+def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, capsys):
+    out = tmp_path / "engine"
+    status = cli.main(["engine", "--target", str(tiny_target_dir), "--repeats", "1", "--stream-gb", "0.02",
+                       "--prefix", "16", "--gemm-m", "8", "--hf-decode", "2", "--host-rows", "4", "--out", str(out),
+                       "--no-progress"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    results = json.loads((out / "engine.json").read_text())
+
+    figures = {
+        "stream GB/s": results["limits"]["stream"]["gb_s_median"],
+        "GEMM peak": results["limits"]["gemm"]["peak_gflop_s"],
+        "weight bytes": results["model"]["weight_bytes"],
+        "HF ms per token": results["hf"].get("ms_per_token"),
+        "host fraction in the race": results["host"].get("fraction_within_race_bound"),
+        **{f"host {kind}": results["host"].get(kind, {}).get("ms") for kind in ("greedy", "sampled", "rejection")},
+        **{f"roofline {name}": results["roofline"].get(name, {}).get("ms") for name in DEFAULT_STEPS},
+    }
+    for path in PATHS:
+        run = results["paths"].get(path, {})
+        assert run.get("matmul") == path, f"{path}: the path that ran was {run.get('matmul')}"
+        figures |= {f"{path} {name}": run.get("steps", {}).get(name, {}).get("ms") for name in DEFAULT_STEPS}
+        figures |= {f"{path} {key}": run.get(key) for key in ("kv_cache_bytes", "peak_rss_bytes", "rss_anon_bytes", "load_s")}
+    missing = {name: value for name, value in figures.items() if not (isinstance(value, (int, float)) and value > 0)}
+    assert not missing, f"missing or non-positive figures: {missing}"
+    assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(PATHS)
+    assert len(results["hf"]["times_ms"]) == 2 and results["host"]["logits_shape"] == [20, 384]
+    assert results["roofline"]["7x5+p120"]["tokens"] == 155 and results["roofline"]["7x5+p120"]["logits"] == 36
+
+    table = (out / "engine.md").read_text()
+    assert table in captured.out
+    header = "| step | tokens | eager ms | onednn ms | roofline ms | eager/roofline | onednn/roofline | speed-up |"
+    assert header in table
+    rows = [line for line in table.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))]
+    assert len(rows) == len(DEFAULT_STEPS) and all("| - |" not in row for row in rows), rows
+
+
+def test_one_path_leaves_the_other_columns_empty(tiny_target_dir, capsys):
+    status = cli.main(["engine", "--target", str(tiny_target_dir), "--matmul", "onednn", "--steps", "2x3", "--repeats",
+                       "1", "--stream-gb", "0.01", "--prefix", "4", "--gemm-m", "4", "--hf-decode", "0", "--host-rows",
+                       "1", "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0
+    [row] = [line for line in out.splitlines() if line.startswith("| 2x3 |")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1] == "6" and cells[2] == "-" and float(cells[3]) > 0 and cells[5] == "-" and cells[7] == "-"
+    assert "Skipped: --hf-decode 0." in out
+
+
+def test_bad_engine_options_end_in_one_line(capsys, tmp_path):
+    for bad in (["--steps", "8y5"], ["--matmul", "cuda"], ["--dtype", "float16"], ["--repeats", "0"],
+                ["--stream-gb", "0"], ["--target", str(tmp_path / "nowhere")]):  # fmt: skip
+        assert cli.main(["engine", *bad, "--no-progress"]) == 2, bad
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 6 and all(line.startswith("specedge-bench: ") for line in lines), lines
+    assert "--steps wants ROWSxTOKENS" in lines[0] and "--matmul takes eager and/or onednn" in lines[1]
+    assert "--dtype takes float32 or bfloat16" in lines[2] and "no such model" in lines[5]
