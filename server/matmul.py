@@ -90,6 +90,10 @@ def pack_for_onednn(model: nn.Module) -> None:
         mlp.gate_proj = mlp.up_proj = None
         mlp.down_proj = _packed(mlp.down_proj)
     model.lm_head = _packed(model.lm_head)
+    # What stays unpacked (the embedding, norms) may still point into the checkpoint's memory map,
+    # which would keep the whole file resident beside the packed copies: give them memory of their own.
+    for tensor in (*model.parameters(), *model.buffers()):
+        tensor.data = tensor.data.clone()
 
 
 def _packed(linear: nn.Linear) -> PackedLinear:

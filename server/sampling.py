@@ -40,8 +40,8 @@ _NO_FLOOR = -math.inf
 
 
 def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """[N] float64 Gumbel noise of token_ids[i] under keys[i] (see specedge/noise.py)."""
-    u = (token_bits(keys, token_ids).double() + 0.5) * 2.0**-32
+    """[N] float32 Gumbel noise of token_ids[i] under keys[i] (see specedge/noise.py)."""
+    u = (noise.token_uniform(_token_bits_int32(keys, token_ids)).float() + 0.5) * 2.0**-noise.UNIFORM_BITS
     return -torch.log(-torch.log(u))
 
 
@@ -51,8 +51,12 @@ def token_bits(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     The same bits: xor and the low 32 bits of a product do not care whether a lane is read as
     signed or unsigned, and a logical shift is an arithmetic one masked to the bits shifted in.
     """
+    return _token_bits_int32(keys, token_ids).long() & noise.MASK32
+
+
+def _token_bits_int32(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     hashed = noise.token_hash(token_ids) if token_ids.numel() < 4096 else _token_hash_table(token_ids)
-    return _mix32_int32(_as_int32(keys) ^ _as_int32(hashed)).long() & noise.MASK32
+    return _mix32_int32(_as_int32(keys) ^ _as_int32(hashed))
 
 
 def _token_hash_table(token_ids: torch.Tensor) -> torch.Tensor:
@@ -149,11 +153,12 @@ def race(
     Both compute the same scores, so a row's winner does not depend on the path taken.
     """
     values, top = row_max if row_max is not None else logits.max(dim=-1)  # [N], [N]
-    values = values.double()
     # The argmax is always kept by the filters, so its score, (max - max) / T + g = g, is reached;
     # a token can only beat it when logit >= max + T * (g - GUMBEL_MAX).
-    threshold = torch.maximum(values + temperature * (gumbel(keys, top) - noise.GUMBEL_MAX), floors)
-    in_reach = logits >= threshold.to(logits.dtype)[:, None]  # [N, V]
+    reach = values.double() + temperature * (gumbel(keys, top).double() - noise.GUMBEL_MAX)
+    in_reach = logits >= torch.maximum(reach, floors).to(logits.dtype)[:, None]  # [N, V]
+    # float32 scores: float32 logits and 24-bit noise carry no more precision than that.
+    values, temperature = values.float(), temperature.float().clamp_min(torch.finfo(torch.float32).tiny)
     flat = in_reach.sum(dim=-1) > logits.shape[-1] // _FLAT_SHARE  # [N]
     winners = top.clone()
     peaked_rows = (~flat).nonzero().squeeze(1)
@@ -171,29 +176,29 @@ def race(
 
 # A row is scored in place once more than 1/_FLAT_SHARE of its tokens are in reach.
 _FLAT_SHARE = 32
-_DENSE_CHUNK_ROWS = 16  # bounds the float64 scores in flight: 16 x 152k x 8 bytes
+_DENSE_CHUNK_ROWS = 16  # bounds the scores in flight: 16 x 152k x 4 bytes
 
 
 def _scores(
     logits: torch.Tensor,  # [C, V]
-    values: torch.Tensor,  # [C] float64 max logits
-    temperature: torch.Tensor,  # [C] float64
+    values: torch.Tensor,  # [C] float32 max logits
+    temperature: torch.Tensor,  # [C] float32
     keys: torch.Tensor,  # [C] int64
-) -> torch.Tensor:  # [C, V] float64: (logit - max) / T + Gumbel noise of every token
+) -> torch.Tensor:  # [C, V] float32: (logit - max) / T + Gumbel noise of every token
     vocab = torch.arange(logits.shape[-1], device=logits.device)
-    return (logits.double() - values[:, None]) / temperature[:, None] + gumbel(keys[:, None], vocab[None])
+    return (logits.float() - values[:, None]) / temperature[:, None] + gumbel(keys[:, None], vocab[None])
 
 
 def _race_gathered(
     logits: torch.Tensor,  # [R, V]
     in_reach: torch.Tensor,  # [R, V] bool
-    values: torch.Tensor,  # [R] float64
-    temperature: torch.Tensor,  # [R] float64
+    values: torch.Tensor,  # [R] float32
+    temperature: torch.Tensor,  # [R] float32
     keys: torch.Tensor,  # [R] int64
     top: torch.Tensor,  # [R] int64 argmax: the answer of a row with nothing in reach (a greedy row)
 ) -> torch.Tensor:  # [R] int64
     rows, tokens = in_reach.nonzero(as_tuple=True)  # row-major: tokens ascending within a row
-    scores = (logits[rows, tokens].double() - values[rows]) / temperature[rows] + gumbel(keys[rows], tokens)
+    scores = (logits[rows, tokens].float() - values[rows]) / temperature[rows] + gumbel(keys[rows], tokens)
     best = torch.full_like(values, -math.inf).scatter_reduce(0, rows, scores, "amax")
     is_best = scores == best[rows]
     winner_rows, winner_tokens = rows[is_best], tokens[is_best]

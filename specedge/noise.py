@@ -14,7 +14,7 @@ module's callers' dtypes to reproduce the server's noise.
 
     key  = row_key(seed, position, stream)        # one per sampled position (Python int)
     bits = token_bits(key, token_ids)              # [V] uniform 32-bit integers, vectorized
-    u    = (bits + 0.5) / 2**32                    # in (0, 1), never 0 or 1
+    u    = (token_uniform(bits) + 0.5) / 2**23     # its top 23 bits, in (0, 1), exact in float32
     gumbel = -log(-log(u))                         # exponential race: argmax(log w + gumbel) ~ w
 
 `GUMBEL_MAX` bounds every value the noise can take, which lets a sampler skip
@@ -36,8 +36,11 @@ TARGET_STREAM = 0x7A7  # the target's own sample (server/sampling.py), and the b
 ACCEPT_STREAM = 0xACC  # the uniform that accepts or rejects a draft token (server/rejection.py)
 DRAFT_STREAM = 0xD7A  # an edge's sampled draft token (edge_client/drafting/base.py)
 
-# The largest Gumbel value 32-bit noise can give: u = 1 - 2**-33 -> -log(-log(u)) = 22.87.
-GUMBEL_MAX = 23.0
+# A token's noise is the top UNIFORM_BITS of its bits: u = (top + 0.5) / 2**23, exact in float32
+# (24 significant bits, the largest 1 - 2**-24), so every device and library gets the same u.
+UNIFORM_BITS = 23
+# The largest Gumbel value that u can give: u = 1 - 2**-24 -> -log(-log(u)) = 16.63.
+GUMBEL_MAX = 16.75
 
 Ints = TypeVar("Ints")  # a Python int, a numpy int64 array or a torch int64 tensor
 
@@ -73,7 +76,15 @@ def uniform(seed: int, position: int, stream: int) -> float:
     return (token_bits(row_key(seed, position, stream), 0) + 0.5) / 2**32
 
 
+def token_uniform(bits: Ints) -> Ints:
+    """A token's u in (0, 1) from its bits, times 2**23 and less 0.5: exact integers in any dtype.
+
+    u = (token_uniform(bits) + 0.5) / 2**23.
+    """
+    return (bits >> (32 - UNIFORM_BITS)) & ((1 << UNIFORM_BITS) - 1)
+
+
 def gumbel(seed: int, position: int, stream: int, token_id: int) -> float:
     """The Gumbel noise of one token at one position, in Python floats (the edge's scalar path)."""
-    u = (token_bits(row_key(seed, position, stream), token_id) + 0.5) / 2**32
+    u = (token_uniform(token_bits(row_key(seed, position, stream), token_id)) + 0.5) / 2**UNIFORM_BITS
     return -math.log(-math.log(u))
