@@ -72,3 +72,27 @@ def test_rows_do_not_disturb_other_slots(model):
         changed = (layer_before != layer_after).any(dim=-1).any(dim=-1)  # [slots, positions]
         assert set(map(tuple, changed.nonzero().tolist())) <= {(2, 25), (2, 26), (2, 27), (2, 28), (4, 29)}
         assert changed[2, 25:29].all() and changed[4, 29]
+
+
+def test_a_row_past_its_slot_is_refused_before_any_kernel(model):
+    """On CUDA an out-of-range index is a device-side assert that poisons every session: it never gets there."""
+    runner = _runner(model)
+    with pytest.raises(ValueError, match="exceed the slot"):
+        runner.forward([ForwardRequest(0, 0, (1, 2)), ForwardRequest(1, MAX_LEN - 2, (3, 4, 5))])
+
+
+def test_server_drafting_drafts_each_row_only_its_own_count(model):
+    """A stream near the end of its slot, beside a stream drafting 6: each row drafts its own count, so
+    nothing is forwarded past a slot and no isolation retry is needed (it once drafted the longest for all)."""
+    from specedge.server.server_draft import DraftRow, ServerDrafter
+
+    runner = _runner(model)
+    runner.forward([ForwardRequest(0, 0, tuple(range(10))), ForwardRequest(1, 0, tuple(range(MAX_LEN - 3)))])
+    forwards = []
+    counting = type("Counting", (), {"forward": lambda self, requests: forwards.append(requests) or runner.forward(requests)})()
+    drafts = ServerDrafter(counting).propose(
+        [DraftRow(0, 10, (11,), num_tokens=6), DraftRow(1, MAX_LEN - 3, (7,), num_tokens=2)]
+    )
+    assert [len(d) for d in drafts] == [6, 2]
+    assert len(forwards) == 6 and [len(requests) for requests in forwards] == [2, 2, 1, 1, 1, 1]
+    assert max(r.num_cached + len(r.token_ids) for requests in forwards for r in requests if r.slot == 1) == MAX_LEN - 1

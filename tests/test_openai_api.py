@@ -341,3 +341,17 @@ def test_a_port_in_use_is_one_clear_error(tiny_draft_dir):
         api = EdgeAPIServer(runtime, ServeConfig(port=port), err=io.StringIO())
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
             asyncio.run(asyncio.wait_for(api.run(), 60))
+
+
+def test_a_vanishing_temperature_is_the_greedy_answer_not_token_0(server, tokenizer, client, model):
+    """temperature 1e-39 once overflowed logits / T into NaN, and the sampler silently returned token 0.
+
+    (logits - max) / T is finite for any T > 0, so the answer is the target's argmax, through drafting
+    (the edge's q) and rejection sampling (the server's p) alike."""
+    content = CHATS[1]
+    expected = server_only(server, tokenizer, chat_prompt(tokenizer, content), 20)
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=20, temperature=1e-39, seed=3
+    )
+    assert reply.choices[0].message.content == text_of(tokenizer, expected)
+    assert reply.model_extra["specedge"]["draft_tokens"] > 0
