@@ -46,11 +46,19 @@ def run_isolated(run_batch: Callable[[list[Item]], Sequence[Result]], items: lis
     return run_isolated(run_batch, items[:half]) + run_isolated(run_batch, items[half:])
 
 
+def is_oom(exc: BaseException) -> bool:
+    """Whether `exc` is the device (or host) running out of memory, whatever raised it."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    # oneDNN and some CPU allocators raise a plain RuntimeError that only says so in words.
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
 def failure_for_client(exc: BaseException) -> errors.ServiceError:
     """What an edge is told when its request failed inside the engine; its session has been closed."""
     if isinstance(exc, errors.ServiceError):
         return exc
-    if "out of memory" in str(exc).lower():
+    if is_oom(exc):
         return errors.ResourceExhausted(
             "the server ran out of memory on this request and closed its session; retry later or with a shorter prompt",
             retry_after_s=RETRY_AFTER_OOM_S,

@@ -20,6 +20,7 @@ import grpc
 import specedge
 from specedge import wire
 from specedge.server import errors
+from specedge.server.isolation import is_oom
 from specedge.server.auth import Authenticator, Caller
 from specedge.server.decoding import Malformed
 from specedge.server.engine import Engine, RoundOutcome
@@ -42,7 +43,7 @@ def _rpc(handler):
             if exc.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(math.ceil(exc.retry_after_s * 1000))),))
             await context.abort(exc.code, str(exc))
-        if "out of memory" in str(exc).lower():
+        if is_oom(exc):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server ran out of memory; retry later")
         log.exception("unexpected error in %s", handler.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal server error ({type(exc).__name__})")

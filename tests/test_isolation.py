@@ -146,3 +146,14 @@ def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(tiny_target_dir, r
     assert len(batches[first_poisoned]) == 4 and len(good_beside_poison) == 2
     ran_without = [b for b in batches[first_poisoned + 1 :] if not any(shape_bug in row for row in b)]
     assert good_beside_poison <= {row for batch in ran_without for row in batch}
+
+
+def test_out_of_memory_is_recognised_by_type_and_by_words():
+    """One helper decides, wherever the failure came from (CUDA, oneDNN's words, the host)."""
+    from specedge.server.isolation import failure_for_client, is_oom
+
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(MemoryError()) and is_oom(RuntimeError("DefaultCPUAllocator: can't allocate: out of memory"))
+    assert not is_oom(RuntimeError("The size of tensor a (7) must match the size of tensor b (8)"))
+    assert not is_oom(ValueError("a prompt about running out of memory"))  # words alone, in the wrong type
+    assert failure_for_client(MemoryError()).code == grpc.StatusCode.RESOURCE_EXHAUSTED
