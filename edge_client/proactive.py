@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling
+from specedge.edge_client.drafting.base import ChainBuilder, CoupledSampling, DraftChain, Drafter, DraftSampling
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class DepthEstimator:
 class ProactiveRound:
     """Drafting ahead for one in-flight round; `start` it, then `finish` it when the reply lands."""
 
-    def __init__(self, worker: DraftWorker, sampling: DraftSampling | None, min_prob: float):
+    def __init__(self, worker: DraftWorker, sampling: DraftSampling | CoupledSampling | None, min_prob: float):
         self._worker = worker
         self._sampling = sampling
         self._min_prob = min_prob
@@ -144,7 +144,7 @@ class ProactiveRound:
                 committed.append(bonus.token_ids[0])
             else:
                 committed.append(guess.bonus)
-            predraft = PreDraft(tuple(committed), DraftChain((), (), None if self._sampling is None else ()), 0.0)
+            predraft = PreDraft(tuple(committed), ChainBuilder(self._sampling).build(), 0.0)
             self._predrafts.append(predraft)
             while len(predraft.chain.token_ids) < depth:
                 longer = self._extend(context + committed, predraft.chain)

@@ -7,10 +7,18 @@ the next `propose` simply names a shorter (or different) context and the
 drafter truncates its cache to the longest common prefix, with no re-prefill.
 Proactive drafting uses the same call with a guessed context.
 
-Sampled drafts (for verification by rejection sampling) come from a top-k
-truncated distribution q, so q is sparse and can be sent to the server whole.
-Their randomness is keyed by (seed, sequence position), like the server's: the
-same seed and context always give the same draft, whatever was drafted before.
+Sampled drafts come two ways:
+
+- `DraftSampling` (unseeded requests, verified by rejection sampling): from a
+  top-k truncated distribution q, so q is sparse and can be sent whole; its
+  randomness is the draft's own stream, keyed by (seed, sequence position).
+- `CoupledSampling` (seeded requests, verified by matching): the draft token
+  at sequence index i is argmax(log q + G) with G the very Gumbel noise the
+  server samples index i with (drafting/coupled.py). No q is sent; the server
+  keeps a draft when it equals its own sample, so the answer is the seeded
+  server-only answer whatever was drafted, and a draft is accepted exactly
+  when the two races agree.
+
 This module stays free of torch and numpy: a GGUF edge never imports torch,
 and the server shares `SparseDist` with the edge.
 """
@@ -27,7 +35,7 @@ from typing import Protocol
 
 from specedge import noise
 from specedge.tokens import TokenizerFingerprint
-from specedge.types import PROB_SUM_TOLERANCE, SparseDist  # noqa: F401  (re-exported: the edge builds them)
+from specedge.types import PROB_SUM_TOLERANCE, SamplingParams, SparseDist  # noqa: F401  (re-exported)
 
 DEFAULT_DRAFT_TOP_K = 20
 
@@ -47,13 +55,25 @@ class DraftSampling:
 
 
 @dataclasses.dataclass(frozen=True)
+class CoupledSampling:
+    """Draft with the target's own noise, for verification by matching (seeded requests)."""
+
+    params: SamplingParams  # the target's temperature (> 0), top_k and top_p, applied to the draft's logits
+    seed: int  # the session's seed, the one the server samples with
+
+    def __post_init__(self):
+        if self.params.greedy:
+            raise ValueError("coupled drafting is for sampled requests (temperature > 0)")
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftChain:
     token_ids: tuple[int, ...]
     # Draft probability of each proposed token (under the draft's own,
     # untempered distribution); drives confidence-based early stopping.
     probs: tuple[float, ...]
-    # Sampled drafts only: the distribution q each token was sampled from,
-    # which the server's rejection sampler needs. None for greedy drafts.
+    # DraftSampling drafts only: the distribution q each token was sampled from,
+    # which the server's rejection sampler needs. None for greedy and coupled drafts.
     dists: tuple[SparseDist, ...] | None = None
     # The draft's second choice at each position and its probability: the
     # likeliest target token where a draft is rejected (proactive guesses).
@@ -86,8 +106,8 @@ class DraftTree:
 class ChainBuilder:
     """Collects a chain token by token, for the drafters' loops."""
 
-    def __init__(self, sampling: DraftSampling | None):
-        self._sampled = sampling is not None
+    def __init__(self, sampling: DraftSampling | CoupledSampling | None):
+        self._sampled = isinstance(sampling, DraftSampling)
         self._fields: tuple[list, ...] = ([], [], [], [], [])
 
     def add(self, token: int, prob: float, dist: SparseDist | None, runner_up: int, runner_up_prob: float) -> None:
@@ -103,10 +123,15 @@ class Drafter(Protocol):
     fingerprint: TokenizerFingerprint
 
     def propose(
-        self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None, min_prob: float = 0.0
+        self,
+        context: Sequence[int],
+        num_tokens: int,
+        sampling: DraftSampling | CoupledSampling | None = None,
+        min_prob: float = 0.0,
     ) -> DraftChain:
         """Draft up to `num_tokens` tokens that follow `context`: greedily, or
-        sampled as `sampling` says (then the chain carries each token's q).
+        sampled as `sampling` says (a DraftSampling chain carries each token's
+        q; a CoupledSampling chain races with the target's noise, carries none).
 
         `context` is every committed token, prompt included. The drafter's
         cache afterwards holds `context` plus all but the last drafted token.

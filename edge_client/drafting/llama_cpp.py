@@ -22,7 +22,15 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from specedge.edge_client.drafting.base import ChainBuilder, DraftChain, DraftSampling, SparseDist, sample_top_k
+from specedge.edge_client.drafting.base import (
+    ChainBuilder,
+    CoupledSampling,
+    DraftChain,
+    DraftSampling,
+    SparseDist,
+    sample_top_k,
+)
+from specedge.edge_client.drafting.coupled import draw_coupled
 from specedge.edge_client.llama_log import route_llama_logs_to_logging
 from specedge.tokens import fingerprint_from_gguf
 
@@ -58,7 +66,11 @@ class LlamaCppDrafter:
         self.fingerprint = fingerprint_from_gguf(model_path)
 
     def propose(
-        self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None, min_prob: float = 0.0
+        self,
+        context: Sequence[int],
+        num_tokens: int,
+        sampling: DraftSampling | CoupledSampling | None = None,
+        min_prob: float = 0.0,
     ) -> DraftChain:
         if len(context) == 0:
             raise ValueError("cannot draft from an empty context")
@@ -69,7 +81,7 @@ class LlamaCppDrafter:
         # Context plus drafts must fit the KV cache; draft fewer rather than fail.
         num_tokens = min(num_tokens, self._max_tokens - len(context_ids))
         if num_tokens <= 0:
-            return DraftChain(token_ids=(), probs=(), dists=None if sampling is None else ())
+            return ChainBuilder(sampling).build()
 
         keep = self._reusable_prefix(context_ids)
         suffix = context_ids[keep:]
@@ -85,10 +97,13 @@ class LlamaCppDrafter:
             # On the position's confidence, before any draw: see Drafter.propose.
             if _softmax_prob(logits, first) < min_prob:
                 break
+            position = len(context_ids) + step  # the sequence index this draft token will occupy
             if sampling is None:
                 token, dist = first, None
+            elif isinstance(sampling, CoupledSampling):
+                token, dist = draw_coupled(logits, sampling, position), None
             else:
-                token, dist = self._sample_next(logits, sampling, position=len(context_ids) + step)
+                token, dist = self._sample_next(logits, sampling, position)
             prob = _softmax_prob(logits, token)
             runner_up = second if token == first else first
             chain.add(token, prob, dist, runner_up, _softmax_prob(logits, runner_up))

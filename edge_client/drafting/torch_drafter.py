@@ -16,7 +16,16 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specedge.edge_client.drafting.base import ChainBuilder, DraftChain, DraftSampling, DraftTree, TreeBudget, sample_top_k
+from specedge.edge_client.drafting.base import (
+    ChainBuilder,
+    CoupledSampling,
+    DraftChain,
+    DraftSampling,
+    DraftTree,
+    TreeBudget,
+    sample_top_k,
+)
+from specedge.edge_client.drafting.coupled import draw_coupled
 from specedge.edge_client.drafting.tree import ROOT, TreeGrower
 from specedge.edge_client.tokenizer import HFTokenizer
 
@@ -40,13 +49,17 @@ class TorchDrafter:
         self._reset_cache()
 
     def propose(
-        self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None, min_prob: float = 0.0
+        self,
+        context: Sequence[int],
+        num_tokens: int,
+        sampling: DraftSampling | CoupledSampling | None = None,
+        min_prob: float = 0.0,
     ) -> DraftChain:
         context = self._check(context, num_tokens)
         # Context plus drafts must fit the position table; draft fewer rather than fail.
         num_tokens = min(num_tokens, self._max_tokens - len(context))
         if num_tokens <= 0:
-            return DraftChain(token_ids=(), probs=(), dists=None if sampling is None else ())
+            return ChainBuilder(sampling).build()
         with self._cache_guard():
             return self._draft(context, num_tokens, sampling, min_prob)
 
@@ -146,7 +159,9 @@ class TorchDrafter:
         self._cached_ids.extend(input_ids[0])
         return output.logits[0]  # [num_level, vocab]
 
-    def _draft(self, context: list[int], num_tokens: int, sampling: DraftSampling | None, min_prob: float) -> DraftChain:
+    def _draft(
+        self, context: list[int], num_tokens: int, sampling: DraftSampling | CoupledSampling | None, min_prob: float
+    ) -> DraftChain:
         chain = ChainBuilder(sampling)
         logits = self._extend(context)[0].float()  # [vocab]
         for step in range(num_tokens):
@@ -156,14 +171,15 @@ class TorchDrafter:
             if float(top_two.values[0]) < min_prob:
                 break
             first, second = top_two.indices.tolist()
+            # The cache now holds every token before this one: its length is this token's sequence index.
+            position = len(self._cached_ids)
             if sampling is None:
                 token, dist = first, None
+            elif isinstance(sampling, CoupledSampling):
+                token, dist = draw_coupled(logits.cpu().numpy(), sampling, position), None
             else:
                 top = logits.topk(min(sampling.top_k, logits.shape[-1]))  # [top_k] values and indices
-                # The cache now holds every token before this one: its length is this token's position.
-                token, dist = sample_top_k(
-                    top.indices.tolist(), top.values.tolist(), sampling, position=len(self._cached_ids)
-                )
+                token, dist = sample_top_k(top.indices.tolist(), top.values.tolist(), sampling, position)
             runner_up = second if token == first else first
             chain.add(token, float(next_probs[token]), dist, runner_up, float(next_probs[runner_up]))
             # The last draft stays unevaluated: if it is accepted, the next
