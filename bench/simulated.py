@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from specedge.edge_client.drafting.base import DraftChain, DraftSampling
+from specedge.edge_client.drafting.base import CoupledSampling, DraftChain, DraftSampling
 from specedge.tokens import TokenizerFingerprint
 
 ALL = "all"  # the profile entry for categories without one of their own
@@ -173,9 +173,14 @@ class SimulatedDrafter:
         self._last: AnswerScript | None = None
 
     def propose(
-        self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None, min_prob: float = 0.0
+        self,
+        context: Sequence[int],
+        num_tokens: int,
+        sampling: DraftSampling | CoupledSampling | None = None,
+        min_prob: float = 0.0,
     ) -> DraftChain:
-        if sampling is not None:
+        # Coupled drafts are verified by matching, like greedy ones: the script stands in for either.
+        if isinstance(sampling, DraftSampling):
             raise ValueError("simulated edges verify by matching samples: turn rejection sampling off")
         script = self._script_for(context)
         answer = list(context[len(script.prompt) :])

@@ -68,10 +68,13 @@ class EdgeConfig:
     num_draft: int = 4  # draft tokens per round (chains)
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
-    seed: int | None = None  # same seed, same output (speculative or not)
+    # Sampled requests with a seed are drafted coupled to the target's noise and verified by matching: the
+    # output equals the seeded server-only run, whatever the drafts, the load or the batch. Without a seed,
+    # they go by rejection sampling (below): accepts more, follows the target's distribution, not reproducible.
+    seed: int | None = None
     follow_advice: bool = True  # draft min(num_draft, the server's advice) tokens a round
-    # Sampled sessions: draft by sampling from a top-k q and send q, so the server
-    # verifies by rejection sampling (accepts more than matching its samples).
+    # Unseeded sampled requests: draft by sampling from a top-k q and send q, so the server verifies by
+    # rejection sampling (accepts more than matching its samples); off: greedy drafts, verified by matching.
     rejection_sampling: bool = True
     draft_top_k: int = DEFAULT_DRAFT_TOP_K
     # Stop a chain before the first draft token whose draft probability is below this (llama.cpp's --draft-p-min).

@@ -35,7 +35,14 @@ from specedge.edge_client.client import (
     SessionGone,
     TokenCallback,
 )
-from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling, DraftTree
+from specedge.edge_client.drafting.base import (
+    ChainBuilder,
+    CoupledSampling,
+    DraftChain,
+    Drafter,
+    DraftSampling,
+    DraftTree,
+)
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
 from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
 from specedge.types import FinishReason, SamplingParams
@@ -76,10 +83,7 @@ class Generation:
         self._session_base = 0  # answer tokens that were the current session's prompt (after a resume)
         self._advised = 0
         self._max_draft = self.config.num_draft
-        self._draft_sampling: DraftSampling | None = None
-        if self.config.rejection_sampling and not self.config.sampling.greedy:
-            seed = self.config.seed if self.config.seed is not None else secrets.randbits(63)
-            self._draft_sampling = DraftSampling(self.config.sampling.temperature, self.config.draft_top_k, seed)
+        self._draft_sampling = _draft_sampling(config)
         self._depth = DepthEstimator()
         self._server_ms_per_round: float | None = None  # smoothed, for the slow-draft fallback
         self._max_draft_nodes = 0  # the server's limit, learnt when the session opens
@@ -200,7 +204,7 @@ class Generation:
         # Advice 0 means drafting does not pay right now: the round carries no
         # drafts and the server decodes one token itself.
         wanted = self._wanted_draft()
-        chain = ready if ready is not None else DraftChain((), (), None if self._draft_sampling is None else ())
+        chain = ready if ready is not None else ChainBuilder(self._draft_sampling).build()
         chain = _truncate(chain, wanted)
         if len(chain.token_ids) < wanted:
             more = await worker.run(
@@ -262,7 +266,7 @@ class Generation:
         self._advised = opened.advised_draft_tokens
         self._max_draft = min(self.config.num_draft, opened.limits.max_draft_tokens)
         self._max_draft_nodes = opened.limits.max_draft_tokens
-        if self._draft_sampling is not None and opened.limits.max_draft_prob_tokens:  # q no wider than accepted
+        if isinstance(self._draft_sampling, DraftSampling) and opened.limits.max_draft_prob_tokens:  # q no wider
             top_k = min(self._draft_sampling.top_k, opened.limits.max_draft_prob_tokens)
             self._draft_sampling = dataclasses.replace(self._draft_sampling, top_k=top_k)
         if not self.tokens:
@@ -342,6 +346,25 @@ class Generation:
         self.finish = finish
         if self.on_tokens(token_ids) and self.finish is FinishReason.NONE:
             self.finish = FinishReason.STOP  # the caller saw a stop string
+
+
+def _draft_sampling(config: EdgeConfig) -> DraftSampling | CoupledSampling | None:
+    """How a chain's drafts are drawn, which decides how the server verifies them.
+
+    Greedy requests draft greedily. A seeded sampled request drafts coupled to
+    the target's noise and sends no q: the server matches its own seeded
+    samples, so the answer is the seeded server-only answer whatever the
+    drafts, the load or the batch. An unseeded one samples from q and sends it
+    for rejection sampling, which accepts more (or, with rejection sampling
+    off, drafts greedily for matching).
+    """
+    if config.sampling.greedy:
+        return None
+    if config.seed is not None:
+        return CoupledSampling(config.sampling, config.seed)  # the seed the server samples with (_sampling)
+    if config.rejection_sampling:
+        return DraftSampling(config.sampling.temperature, config.draft_top_k, secrets.randbits(63))
+    return None
 
 
 def _truncate(chain: DraftChain, num_tokens: int) -> DraftChain:

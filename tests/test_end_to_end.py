@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import grpc
 import pytest
@@ -110,14 +109,14 @@ def test_seeded_sampling_by_matching_samples_equals_seeded_server_only(server, t
     assert other_seed.token_ids != runs[0].token_ids
 
 
-def test_seeded_sampling_by_rejection_is_reproducible(server, tokenizer, drafter):
-    """Reproducible for the same drafts: the draft length is pinned, since the server's advice follows its load."""
+def test_seeded_sampling_with_rejection_on_is_drafted_coupled_and_equals_seeded_server_only(server, tokenizer, drafter):
+    """A seed overrides rejection sampling: coupled drafts, verified by matching (tests/test_seeded_coupling.py)."""
     prompt = tokenizer.apply_chat_template(PROMPTS[0])
-    common = dict(sampling=SamplingParams(temperature=0.9, top_k=50), max_new_tokens=40, follow_advice=False)
-    runs = [generate(server, tokenizer, prompt, drafter, seed=7, **common) for _ in range(2)]
-    other_seed = generate(server, tokenizer, prompt, drafter, seed=8, **common)
-    assert runs[0].token_ids == runs[1].token_ids
-    assert other_seed.token_ids != runs[0].token_ids
+    sampling = SamplingParams(temperature=0.9, top_k=50)
+    runs = [generate(server, tokenizer, prompt, drafter, seed=7, sampling=sampling, max_new_tokens=40, num_draft=k)
+            for k in (2, 5)]  # fmt: skip
+    server_only = generate(server, tokenizer, prompt, None, sampling=sampling, seed=7, max_new_tokens=40)
+    assert runs[0].token_ids == runs[1].token_ids == server_only.token_ids
     assert runs[0].stats.accepted_tokens > 0
 
 
@@ -158,9 +157,20 @@ def test_unreachable_server_gives_an_actionable_error(tokenizer):
         generate(Nowhere, tokenizer, [5, 6], None)
 
 
-def test_sampled_speculative_output_follows_the_target_distribution(server, tokenizer, drafter, reference_model):
-    """The 2nd token (decided by a verify round) over many seeds vs the target's exact marginal."""
+def test_sampled_speculative_output_follows_the_target_distribution(
+    server, tokenizer, drafter, reference_model, monkeypatch
+):
+    """The 2nd token (decided by a verify round, by rejection) over many unseeded runs vs the target's marginal.
+
+    Unseeded, so the edge sends q; the random seeds both sides pick come from a seeded generator, so the
+    test is deterministic (a seeded request would be drafted coupled and verified by matching instead).
+    """
+    import random
+    import secrets
+
     import torch
+
+    monkeypatch.setattr(secrets, "randbits", random.Random(0).getrandbits)
 
     from specedge.server.sampling import target_probs
 
@@ -179,8 +189,7 @@ def test_sampled_speculative_output_follows_the_target_distribution(server, toke
         config = EdgeConfig(num_draft=4, max_new_tokens=2, sampling=sampling)
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
             results = []
-            for seed in range(num_runs):
-                client.config = dataclasses.replace(config, seed=seed)
+            for _ in range(num_runs):
                 results.append(await client.generate(prompt, drafter))
             return results
 
