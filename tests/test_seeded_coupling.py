@@ -156,6 +156,33 @@ def test_a_draft_model_equal_to_the_target_has_every_coupled_draft_accepted(serv
     assert answer.stats.accepted_tokens >= answer.stats.draft_tokens - 4
 
 
+def test_a_seeded_answer_resumed_after_a_lost_session_equals_server_only(server, tokenizer, prompt, drafters):
+    """The re-opened session (prompt + committed tokens) samples with the same seed at the same positions."""
+
+    class LosingClient(EdgeClient):
+        lost = False
+
+        async def verify(self, request):
+            if self.rounds_seen == 3 and not self.lost:
+                self.lost = True
+                await self.close_session(request.session_id)  # the next call meets NOT_FOUND: resume
+            self.rounds_seen += 1
+            return await super().verify(request)
+
+    sampling = SamplingParams(temperature=0.8, top_k=40)
+
+    async def run():
+        config = EdgeConfig(sampling=sampling, seed=21, max_new_tokens=40)
+        async with LosingClient(server.address, tokenizer.fingerprint, config=config) as client:
+            client.rounds_seen = 0
+            return await client.generate(prompt, drafters["draft"])
+
+    answer = asyncio.run(run())
+    server_only, _ = generate(server, tokenizer, prompt, None, sampling=sampling, seed=21, max_new_tokens=40)
+    assert answer.stats.resumes == 1
+    assert answer.token_ids == server_only.token_ids
+
+
 def test_unseeded_sampled_chains_still_go_by_rejection(server, tokenizer, prompt, drafters):
     answer, rounds = generate(
         server, tokenizer, prompt, drafters["draft"], sampling=SamplingParams(temperature=0.8), max_new_tokens=24
