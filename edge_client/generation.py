@@ -266,7 +266,8 @@ class Generation:
         self._advised = opened.advised_draft_tokens
         self._max_draft = min(self.config.num_draft, opened.limits.max_draft_tokens)
         self._max_draft_nodes = opened.limits.max_draft_tokens
-        if isinstance(self._draft_sampling, DraftSampling) and opened.limits.max_draft_prob_tokens:  # q no wider
+        # A q sent for rejection sampling is no wider than the server accepts.
+        if isinstance(self._draft_sampling, DraftSampling) and opened.limits.max_draft_prob_tokens:
             top_k = min(self._draft_sampling.top_k, opened.limits.max_draft_prob_tokens)
             self._draft_sampling = dataclasses.replace(self._draft_sampling, top_k=top_k)
         if not self.tokens:
