@@ -446,8 +446,8 @@ class Engine:
         self.load = self.cost_model.load(fallback=self._budget_share)
 
         ok = [j for j, failure in enumerate(failures) if failure is None]
-        asks = [self._draw(*rows[live[j]]) for j in ok]
-        drawn = draw_rows(logits, asks) if ok else []
+        asks = [self._ask(*rows[live[j]]) for j in ok]
+        drawn = self._draw(logits, asks) if ok else []
         moves: dict[int, KVMove] = {}
         for j, failure in enumerate(failures):
             outcomes[live[j]] = failure
@@ -492,7 +492,24 @@ class Engine:
         failures = [row if isinstance(row, Exception) else None for row in per_row]
         return (torch.cat(good) if good else None), failures
 
-    def _draw(self, work: _Work, chunk: PrefillChunk | None) -> RowDraw:
+    @staticmethod
+    def _draw(logits: torch.Tensor, asks: list[RowDraw]) -> list:
+        """Every row's draws in one pass; should that pass raise, each row alone, so a failure stays with its row."""
+        try:
+            return draw_rows(logits, asks)
+        except Exception:
+            log.exception("the step's draws failed; drawing its rows one by one")
+        drawn, start = [], 0
+        for ask in asks:
+            try:
+                [row] = draw_rows(logits[start : start + ask.num_logits], [ask])
+            except Exception as exc:
+                row = exc
+            drawn.append(row)
+            start += ask.num_logits
+        return drawn
+
+    def _ask(self, work: _Work, chunk: PrefillChunk | None) -> RowDraw:
         if chunk is not None:
             return prefill_draw(work.session, chunk)
         return round_draw(work.session, work.draft_token_ids, work.draft_parents, work.draft_dists)

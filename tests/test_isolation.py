@@ -18,7 +18,7 @@ from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
 from specedge.server.draws import RowDraw, draw_rows
-from specedge.types import SamplingParams
+from specedge.types import SamplingParams, SparseDist
 from specedge.server.isolation import NonFiniteLogits, run_isolated
 from specedge.v1 import specedge_pb2 as pb
 
@@ -157,3 +157,16 @@ def test_out_of_memory_is_recognised_by_type_and_by_words():
     assert not is_oom(RuntimeError("The size of tensor a (7) must match the size of tensor b (8)"))
     assert not is_oom(ValueError("a prompt about running out of memory"))  # words alone, in the wrong type
     assert failure_for_client(MemoryError()).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_row_whose_draws_raise_fails_alone():
+    """Should the step's vectorized draws raise (a row the validation let through), the rows are drawn one by
+    one and only the bad one fails."""
+    from specedge.server.engine import Engine
+
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 1.0, 3.0], [1.0, 0.0, 0.0]])
+    greedy = SamplingParams()
+    bad = RowDraw(1, SamplingParams(temperature=1.0), positions=(1,), draft_token_ids=(7,),
+                  draft_dists=(SparseDist((7,), (1.0,)),))  # a draft id past this vocabulary: cannot be indexed
+    drawn = Engine._draw(logits, [RowDraw(1, greedy, positions=(0,)), bad, RowDraw(1, greedy, positions=(2,))])
+    assert drawn[0] == [1] and drawn[2] == [0] and isinstance(drawn[1], Exception)
