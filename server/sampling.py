@@ -15,7 +15,7 @@ than GUMBEL_MAX below a score already reached cannot win: the race computes
 noise only for the few tokens that can, in one vectorized pass over all rows.
 
     logits row [5.0, 4.9, -30, ...], T = 1; argmax a = 0 with noise g_a = 0.3
-    -> only tokens with logit >= 5.0 + 0.3 - 23 can win; the -30 ones are skipped
+    -> only tokens with logit >= 5.0 + 0.3 - 16.75 can win; the -30 ones are skipped
 
 Filters (top-k, top-p) become one logit floor per row: a token is kept when
 its logit is at least the floor, so filtering never materialises a new

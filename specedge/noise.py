@@ -72,7 +72,7 @@ def token_hash(token_ids: Ints) -> Ints:
 
 
 def uniform(seed: int, position: int, stream: int) -> float:
-    """U(0, 1) for one position of a stream (a Python float, exact in float32 and float64)."""
+    """U(0, 1) for one position of a stream, from all 32 bits (a Python float: exact in float64)."""
     return (token_bits(row_key(seed, position, stream), 0) + 0.5) / 2**32
 
 
