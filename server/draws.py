@@ -22,10 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specedge import noise
 from specedge.server.isolation import NonFiniteLogits
 from specedge.server.rejection import decide_chain
-from specedge.server.sampling import logit_floors, probs_with_floors, race
+from specedge.server.sampling import logit_floors, probs_with_floors, race, row_keys
 from specedge.server.verify import VerifyResult
 from specedge.types import SamplingParams, SparseDist
 
@@ -74,7 +73,7 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> list[Drawn]:
             temperature[span] = row.params.temperature
             top_k[span] = [row.params.top_k] * row.num_logits
             top_p[span] = [row.params.top_p] * row.num_logits
-            keys[span] = torch.tensor([noise.row_key(row.seed, p, noise.TARGET_STREAM) for p in row.positions])
+            keys[span] = row_keys(row.seed, row.positions, keys.device)
             racing[span] = True
         temperature, keys, racing = temperature.to(device), keys.to(device), racing.to(device)
         floors = logit_floors(logits, temperature, top_k, top_p)

@@ -36,8 +36,11 @@ class ServerDrafter:
     def propose(self, rows: Sequence[DraftRow]) -> list[list[int]]:
         """Greedy drafts of each row's `num_tokens`, batched across the rows still drafting."""
         drafts: list[list[int]] = [[] for _ in rows]
-        requests = {i: ForwardRequest(r.slot, r.num_cached, r.catch_up, all_logits=False) for i, r in enumerate(rows)}
-        requests = {i: request for i, request in requests.items() if rows[i].num_tokens > 0}
+        requests = {
+            i: ForwardRequest(r.slot, r.num_cached, r.catch_up, all_logits=False)
+            for i, r in enumerate(rows)
+            if r.num_tokens > 0
+        }
         while requests:
             logits = self.runner.forward(list(requests.values()))
             next_tokens = [int(row_logits[-1].argmax()) for row_logits in logits]
