@@ -121,10 +121,14 @@ def _top_p_floor(row: torch.Tensor, temperature: float, floor: float, top_p: flo
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k and top-p."""
+    return probs_with_floors(logits, *_one_setting(logits, params))
+
+
+def _one_setting(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] float64 temperatures and logit floors for rows that all sample with `params`."""
     num_rows = logits.shape[0]
     temperature = torch.full((num_rows,), params.temperature, dtype=torch.float64, device=logits.device)
-    floors = logit_floors(logits, temperature, [params.top_k] * num_rows, [params.top_p] * num_rows)
-    return probs_with_floors(logits, temperature, floors)
+    return temperature, logit_floors(logits, temperature, [params.top_k] * num_rows, [params.top_p] * num_rows)
 
 
 def probs_with_floors(
@@ -218,9 +222,7 @@ def sample(
     """One session's tokens at `positions`: the argmax, or its seeded sample."""
     if params.greedy:
         return logits.argmax(dim=-1).tolist()
-    num_rows = logits.shape[0]
-    temperature = torch.full((num_rows,), params.temperature, dtype=torch.float64, device=logits.device)
-    floors = logit_floors(logits, temperature, [params.top_k] * num_rows, [params.top_p] * num_rows)
+    temperature, floors = _one_setting(logits, params)
     return race(logits, temperature, floors, row_keys(seed, positions, logits.device)).tolist()
 
 
