@@ -45,7 +45,7 @@ class EngineLink:
             active_sessions=snapshot["active_sessions"],
             free_kv_slots=snapshot["kv_slots_free"],
             queue_wait_ms=round(self._queue_ms, 3),
-            advised_draft_tokens=min(advised, engine.config.max_draft_tokens),
+            advised_draft_tokens=advised,
         )
 
     def health(self) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -73,6 +74,20 @@ class KVCache:
         dst = torch.tensor([i for m in moves for i in m.dst], device=device)
         for cache in (*self.k, *self.v):
             cache[slots, dst] = cache[slots, src]  # the gather copies first, so overlapping ranges are safe
+
+
+class Runner(Protocol):
+    """What the engine runs steps on: a ModelRunner, or server/tp_runner.py's TensorParallelRunner."""
+
+    model: CausalLM
+    kv: KVCache
+    device: torch.device
+
+    def forward_packed(self, requests: Sequence[ForwardRequest]) -> torch.Tensor | None: ...
+
+    def forward(self, requests: Sequence[ForwardRequest]) -> list[torch.Tensor]: ...
+
+    def move_kv(self, moves: Sequence[KVMove]) -> None: ...
 
 
 class ModelRunner:

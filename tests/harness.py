@@ -29,7 +29,7 @@ class ServerThread:
     def __init__(self, config: ServerConfig, wrap_runner: Callable[[ModelRunner], ModelRunner] | None = None):
         self.server = SpecEdgeServer(config)
         if wrap_runner is not None:
-            self.server.engine.runner = wrap_runner(self.server.engine.runner)
+            self.server.engine.stepper.runner = wrap_runner(self.server.engine.stepper.runner)
         self.loop = asyncio.new_event_loop()
         self.address: str | None = None
         self._ready = threading.Event()

@@ -162,11 +162,11 @@ def test_out_of_memory_is_recognised_by_type_and_by_words():
 def test_a_row_whose_draws_raise_fails_alone():
     """Should the step's vectorized draws raise (a row the validation let through), the rows are drawn one by
     one and only the bad one fails."""
-    from specedge.server.engine import Engine
+    from specedge.server.step import Stepper
 
     logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 1.0, 3.0], [1.0, 0.0, 0.0]])
     greedy = SamplingParams()
     bad = RowDraw(1, SamplingParams(temperature=1.0), positions=(1,), draft_token_ids=(7,),
                   draft_dists=(SparseDist((7,), (1.0,)),))  # a draft id past this vocabulary: cannot be indexed
-    drawn = Engine._draw(logits, [RowDraw(1, greedy, positions=(0,)), bad, RowDraw(1, greedy, positions=(2,))])
+    drawn = Stepper._draw(logits, [RowDraw(1, greedy, positions=(0,)), bad, RowDraw(1, greedy, positions=(2,))])
     assert drawn[0] == [1] and drawn[2] == [0] and isinstance(drawn[1], Exception)

@@ -269,14 +269,14 @@ def test_sessions_past_capacity_are_refused_and_memory_stays_in_budget(tiny_targ
 
     with ServerThread(config) as server:
         engine = server.server.engine
-        kv = engine.runner.kv
+        kv = engine.stepper.runner.kv
         rss_before = _rss_bytes()
         results = asyncio.run(flood(server.address))
         rss_growth = _rss_bytes() - rss_before
         kv_bytes = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v))
         assert engine.slots.num_slots == num_fitting and len(engine.sessions) == num_fitting
 
-    assert KVCache.bytes_per_token_for(engine.runner.model, kv.k[0].dtype) * max_context == bytes_per_slot
+    assert KVCache.bytes_per_token_for(engine.stepper.runner.model, kv.k[0].dtype) * max_context == bytes_per_slot
     codes = [code for code, _ in results]
     assert codes.count(grpc.StatusCode.OK) == num_fitting
     assert codes.count(EXHAUSTED) == len(codes) - num_fitting
