@@ -96,6 +96,8 @@ def _engine_parser(sub) -> None:
     p.add_argument("--prefix", type=int, default=defaults["prefix"].default, help="cached tokens per row")
     p.add_argument("--stream-gb", type=float, default=defaults["stream_gb"].default, help="bandwidth test size")
     p.add_argument("--gemm-m", type=int, nargs="+", default=list(defaults["gemm_m"].default), help="GEMM rows tried")
+    p.add_argument("--kernel-m", type=int, nargs="*", default=list(defaults["kernel_m"].default),
+                   help="small M at which eager, oneDNN and inductor-frozen products are compared (none: skip)")  # fmt: skip
     p.add_argument("--hf-decode", type=int, default=defaults["hf_decode"].default,
                    help="transformers greedy steps timed (0: skip)")  # fmt: skip
     p.add_argument("--host-rows", type=int, default=defaults["host_rows"].default, help="rows of draws timed")
@@ -212,7 +214,7 @@ def _engine(args: argparse.Namespace) -> int:
     config = EngineBenchConfig(
         target=args.target, matmul=tuple(args.matmul), steps=tuple(args.steps), repeats=args.repeats,
         threads=args.threads, dtype=args.dtype, prefix=args.prefix, stream_gb=args.stream_gb,
-        gemm_m=tuple(args.gemm_m), hf_decode=args.hf_decode, host_rows=args.host_rows,
+        gemm_m=tuple(args.gemm_m), kernel_m=tuple(args.kernel_m), hf_decode=args.hf_decode, host_rows=args.host_rows,
     )  # fmt: skip
     results = run_engine_bench(config, progress=not args.no_progress)
     print(engine_markdown(results))

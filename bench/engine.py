@@ -7,6 +7,8 @@ Measured one after the other in this process (CPU only):
 
 1. the limits: memory stream bandwidth (a sum over a --stream-gb float32 tensor) and the peak GEMM rate
    (oneDNN's packed linear and eager F.linear, on a weight of the model's MLP shape, at M = --gemm-m);
+   the same weight at the small M of verify rounds (--kernel-m) on three kernels: eager, oneDNN-packed,
+   and inductor's compiled product with frozen weights (the alternative the packed path was chosen over);
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1;
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
@@ -48,6 +50,7 @@ from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.types import SamplingParams, SparseDist
 
 PATHS = ("eager", "onednn")
+KERNELS = ("eager", "onednn", "inductor")  # matrix kernels compared at small M (inductor: frozen weights)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_STEPS = ("1x1", "1x5", "8x1", "8x5", "16x5", "7x5+p120", "p155")
 HOST_TOKENS_PER_ROW = 5  # a verify round: the pending token and 4 drafts
@@ -102,6 +105,7 @@ class EngineBenchConfig:
     prefix: int = 200  # cached tokens of each non-prefill row (and HF's prompt)
     stream_gb: float = 2.0  # size of the tensor summed to measure memory bandwidth
     gemm_m: tuple[int, ...] = (64, 128, 256)  # GEMM rows tried for the peak rate
+    kernel_m: tuple[int, ...] = (1, 5, 8, 40)  # rows at which the matrix kernels are compared; () skips
     hf_decode: int = 16  # HF greedy decode steps timed; 0 skips HF
     host_rows: int = 64  # rows of HOST_TOKENS_PER_ROW logits each for the host-time draws
 
@@ -114,8 +118,8 @@ class EngineBenchConfig:
             Step.parse(step)
         if not self.steps:
             raise ValueError("--steps needs at least one step")
-        if min(self.repeats, self.prefix, self.host_rows, *self.gemm_m) < 1 or self.hf_decode < 0:
-            raise ValueError("--repeats, --prefix, --host-rows and --gemm-m must be >= 1, --hf-decode >= 0")
+        if min(self.repeats, self.prefix, self.host_rows, *self.gemm_m, *self.kernel_m) < 1 or self.hf_decode < 0:
+            raise ValueError("--repeats, --prefix, --host-rows, --gemm-m and --kernel-m must be >= 1, --hf-decode >= 0")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not 0 < self.stream_gb <= 64:
@@ -216,6 +220,46 @@ def gemm_rates(out_features: int, in_features: int, ms: tuple[int, ...], dtype: 
     return {"shape": [out_features, in_features], "rows": rows, "peak_gflop_s": max(r["gflop_s"] for r in rows)}
 
 
+def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
+    """ms of y = x W^T at each small M on eager, oneDNN-packed and inductor-frozen kernels (CPU).
+
+    Inductor compiles the product as it would inside the model under freezing (its own packed weight, one
+    compile per M, none counted in the times); a kernel that cannot run here says why instead.
+    """
+    linear = torch.nn.Linear(in_features, out_features, bias=False).to(dtype).eval()
+    kernels: dict[str, Callable[[torch.Tensor], torch.Tensor] | str] = {"eager": linear}
+    why_not = onednn_unavailable(torch.device("cpu"), dtype)
+    kernels["onednn"] = why_not or PackedLinear(linear.weight, None)
+    rows, compile_s = [], {}
+    with torch.inference_mode():
+        for m in ms:
+            x = torch.randn(m, in_features).to(dtype)
+            row: dict = {"m": m}
+            for name, kernel in kernels.items():
+                row[name] = kernel if isinstance(kernel, str) else statistics.median(_times_ms(lambda k=kernel: k(x), repeats))
+            row["inductor"], compile_s[m] = _inductor_frozen_ms(linear, x, repeats)
+            rows.append(row)
+    return {"shape": [out_features, in_features], "weight_bytes": linear.weight.nbytes, "rows": rows, "compile_s": compile_s}
+
+
+def _inductor_frozen_ms(linear: torch.nn.Module, x: torch.Tensor, repeats: int) -> tuple[float | str, float | None]:
+    """(median ms, compile seconds) of inductor's frozen-weight product, or (why it could not run, None)."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch(freezing=True):
+            compiled = torch.compile(linear, dynamic=False)
+            start = time.perf_counter()
+            compiled(x)
+            compile_s = time.perf_counter() - start
+            return statistics.median(_times_ms(lambda: compiled(x), repeats)), compile_s
+    except Exception as exc:  # no compiler, an unsupported dtype: the table says so
+        return f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}", None
+    finally:
+        torch._dynamo.reset()
+
+
 def _token_ids(vocab_size: int, count: int) -> list[int]:
     return torch.randint(vocab_size, (count,), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -312,6 +356,9 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
 
     limits = {"stream": stream_bandwidth(config.stream_gb, config.repeats)}
     limits["gemm"] = gemm_rates(*_mlp_shape(resolved), config.gemm_m, DTYPES[config.dtype], config.repeats)
+    if config.kernel_m:
+        limits["kernels"] = matrix_kernels(*_mlp_shape(resolved), config.kernel_m, DTYPES[config.dtype], config.repeats)
+        say("kernels: " + "; ".join(f"M={r['m']} " + " ".join(f"{k} {_kernel_ms(r[k])}" for k in KERNELS) for r in limits["kernels"]["rows"]))
     limits["memory"] = _memory()
     bandwidth, peak = limits["stream"]["gb_s_median"], limits["gemm"]["peak_gflop_s"]
     say(f"limits: stream {bandwidth:.1f} GB/s (median), GEMM peak {peak:.0f} GFLOP/s")
@@ -387,7 +434,7 @@ def write_engine_report(results: dict, out_dir: pathlib.Path) -> list[pathlib.Pa
     return paths
 
 
-def _ms(value: float | None) -> str:
+def _ms(value: float | str | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
@@ -401,6 +448,33 @@ def _rate(value: float) -> str:
 
 def _gib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def _kernel_lines(kernels: dict | None, bandwidth: float) -> list[str]:
+    if kernels is None:
+        return []
+    out, inner = kernels["shape"]
+    floor_ms = kernels["weight_bytes"] / (bandwidth * 1e6)
+    lines = [
+        "",
+        f"## Matrix kernels at small M ([M, {inner}] x [{inner}, {out}], {kernels['weight_bytes'] / 1e6:.0f} MB of "
+        f"weight; its stream floor {floor_ms:.2f} ms)",
+        "",
+        "| M | " + " | ".join(f"{k} ms" for k in KERNELS) + " | best / floor |",
+        "|---" * (len(KERNELS) + 2) + "|",
+    ]
+    for row in kernels["rows"]:
+        timed = [row[k] for k in KERNELS if isinstance(row[k], float)]
+        best = f"{min(timed) / floor_ms:.2f}x" if timed else "-"
+        lines.append(f"| {row['m']} | " + " | ".join(_kernel_ms(row[k]) for k in KERNELS) + f" | {best} |")
+    compiles = [f"{s:.1f}" for s in kernels["compile_s"].values() if s is not None]
+    notes = sorted({row[k] for row in kernels["rows"] for k in KERNELS if isinstance(row[k], str)})
+    lines += [""] + ([f"inductor compile per M: {', '.join(compiles)} s (not in the times)."] if compiles else []) + notes
+    return lines
+
+
+def _kernel_ms(value: float | str) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else "-"
 
 
 def _rss(memory: dict) -> str:
@@ -430,6 +504,7 @@ def engine_markdown(results: dict) -> str:
         best = 2 * row["m"] * math.prod(gemm["shape"]) / (min(row["times_ms"]) * 1e6)
         lines.append(f"| GEMM {row['path']} M={row['m']} | {_rate(row['gflop_s'])} GFLOP/s | {_rate(best)} GFLOP/s | "
                      f"[{row['m']}, {gemm['shape'][1]}] x [{gemm['shape'][1]}, {gemm['shape'][0]}] |")  # fmt: skip
+    lines += _kernel_lines(limits.get("kernels"), bandwidth)
     gflop_per_token = 2 * (model["layer_params"] + model["head_params"]) / 1e9
     lines += [
         "",

@@ -45,8 +45,8 @@ def test_roofline_counts_a_tied_head_once_and_runs_it_only_for_wanted_logits():
 def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, capsys):
     out = tmp_path / "engine"
     status = cli.main(["engine", "--target", str(tiny_target_dir), "--repeats", "1", "--stream-gb", "0.02",
-                       "--prefix", "16", "--gemm-m", "8", "--hf-decode", "2", "--host-rows", "4", "--out", str(out),
-                       "--no-progress"])  # fmt: skip
+                       "--prefix", "16", "--gemm-m", "8", "--kernel-m", "3", "--hf-decode", "2", "--host-rows", "4",
+                       "--out", str(out), "--no-progress"])  # fmt: skip
     captured = capsys.readouterr()
     assert status == 0, captured.err
     results = json.loads((out / "engine.json").read_text())
@@ -68,6 +68,10 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     missing = {name: value for name, value in figures.items() if not (isinstance(value, (int, float)) and value > 0)}
     assert not missing, f"missing or non-positive figures: {missing}"
     assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(PATHS)
+    [kernels] = results["limits"]["kernels"]["rows"]
+    assert kernels["m"] == 3 and kernels["eager"] > 0 and kernels["onednn"] > 0
+    # inductor's frozen product compiles where a C++ compiler is found; otherwise the table says why not
+    assert (isinstance(kernels["inductor"], float) and kernels["inductor"] > 0) or kernels["inductor"].startswith("not run:")
     assert len(results["hf"]["times_ms"]) == 2 and results["host"]["logits_shape"] == [20, 384]
     assert results["roofline"]["7x5+p120"]["tokens"] == 155 and results["roofline"]["7x5+p120"]["logits"] == 36
 
@@ -75,20 +79,21 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert table in captured.out
     header = "| step | tokens | eager ms | onednn ms | roofline ms | eager/roofline | onednn/roofline | speed-up |"
     assert header in table
+    assert "| M | eager ms | onednn ms | inductor ms | best / floor |" in table
     rows = [line for line in table.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))]
     assert len(rows) == len(DEFAULT_STEPS) and all("| - |" not in row for row in rows), rows
 
 
 def test_one_path_leaves_the_other_columns_empty(tiny_target_dir, capsys):
     status = cli.main(["engine", "--target", str(tiny_target_dir), "--matmul", "onednn", "--steps", "2x3", "--repeats",
-                       "1", "--stream-gb", "0.01", "--prefix", "4", "--gemm-m", "4", "--hf-decode", "0", "--host-rows",
-                       "1", "--no-progress"])  # fmt: skip
+                       "1", "--stream-gb", "0.01", "--prefix", "4", "--gemm-m", "4", "--kernel-m", "--hf-decode", "0",
+                       "--host-rows", "1", "--no-progress"])  # fmt: skip
     out = capsys.readouterr().out
     assert status == 0
     [row] = [line for line in out.splitlines() if line.startswith("| 2x3 |")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[1] == "6" and cells[2] == "-" and float(cells[3]) > 0 and cells[5] == "-" and cells[7] == "-"
-    assert "Skipped: --hf-decode 0." in out
+    assert "Skipped: --hf-decode 0." in out and "Matrix kernels" not in out  # --kernel-m with no M skips them
 
 
 def test_bad_engine_options_end_in_one_line(capsys, tmp_path):
