@@ -22,6 +22,7 @@ from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.engine import Engine, EngineConfig
 from specedge.server.limits import DEFAULT_MAX_ATTACH_PER_IDENTITY, AttachLimiter, RateLimitConfig, RoundRateLimiter
 from specedge.server.loading import load_target, weights_dir
+from specedge.server.attention import ATTENTION_KINDS, resolve_attention
 from specedge.server.matmul import MATMUL_KINDS, resolve_matmul
 from specedge.server.metrics import start_metrics_server, stop_metrics_server
 from specedge.server.parallel import check_splittable
@@ -51,6 +52,8 @@ class ServerConfig:
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
     # How the target's matrix products run (server/matmul.py): auto (oneDNN-packed on CPU), eager, onednn.
     matmul: str = "auto"
+    # How rows attend to their KV slots (server/attention.py): auto (flex on CUDA, rows elsewhere), rows, flex.
+    attention: str = "auto"
     max_context: int | None = None  # default: min(4096, the model's max positions)
     engine: EngineConfig = EngineConfig()
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off, 0 picks a free port
@@ -78,6 +81,8 @@ class ServerConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(_DTYPES)}")
         if self.matmul not in MATMUL_KINDS:
             raise ValueError(f"unknown matmul path {self.matmul!r}; choose {', '.join(MATMUL_KINDS)}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"unknown attention path {self.attention!r}; choose {', '.join(ATTENTION_KINDS)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -128,7 +133,8 @@ class SpecEdgeServer:
             check_splittable(model_dir, config.parallel.tp)
             self.ranks = RankGroup.launch(
                 config.parallel, model_dir, device_type=device.type, dtype=dtype,
-                matmul=resolve_matmul(config.matmul, device, dtype), on_failure=self._on_rank_failure,
+                matmul=resolve_matmul(config.matmul, device, dtype),
+                attention=resolve_attention(config.attention, device), on_failure=self._on_rank_failure,
             )  # fmt: skip
         try:
             self._build(config, resolved, device, dtype, started)
@@ -147,11 +153,16 @@ class SpecEdgeServer:
     def _build(self, config: ServerConfig, resolved, device: torch.device, dtype: torch.dtype, started: float) -> None:
         """Model(s), KV slots within the budget, runner, engine."""
         collectives = self.ranks.collectives if self.ranks is not None else None
-        target = load_target(resolved, device=device, dtype=dtype, collectives=collectives, matmul=config.matmul)
+        target = load_target(
+            resolved, device=device, dtype=dtype, collectives=collectives, matmul=config.matmul,
+            attention=config.attention,
+        )  # fmt: skip
         max_context = min(config.max_context or 4096, target.model.args.max_position_embeddings)
         draft = None
         if config.draft_model is not None:
-            draft = load_target(resolve(config.draft_model), device=device, dtype=dtype, matmul=config.matmul)
+            draft = load_target(
+                resolve(config.draft_model), device=device, dtype=dtype, matmul=config.matmul, attention=config.attention
+            )
             try:
                 check_compatible(draft.fingerprint, target.fingerprint)
             except IncompatibleTokenizer as exc:
@@ -178,8 +189,9 @@ class SpecEdgeServer:
             )
         kv = KVCache(target.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
         log.info(
-            "loaded %s on %s (%s, %s matrix products) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
-            target.name, device, dtype, target.matmul, time.monotonic() - started, kv.num_slots, kv.max_len,
+            "loaded %s on %s (%s, %s matrix products, %s attention) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
+            target.name, device, dtype, target.matmul, target.model.attention, time.monotonic() - started,
+            kv.num_slots, kv.max_len,
             bytes_per_slot * kv.num_slots / 2**30,
         )  # fmt: skip
         self.stats = ServerStats()  # the engine reports here; metrics.py exports it

@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="matrix products: auto (oneDNN-packed weights on CPU, several times faster than eager for the "
         "small batches of verify rounds), eager (torch's plain path), onednn",
     )  # fmt: skip
+    parser.add_argument(
+        "--attention", default="auto", choices=["auto", "rows", "flex"],
+        help="attention: auto (one FlexAttention call per step on CUDA, one call per row on CPU), rows, flex",
+    )  # fmt: skip
     parser.add_argument("--max-sessions", type=int, default=8, help="KV slots, i.e. concurrent sessions")
     parser.add_argument("--max-context", type=int, default=None, help="tokens per session (default 4096)")
     parser.add_argument("--max-draft-tokens", type=int, default=64, help="draft nodes accepted per round")
@@ -132,6 +136,7 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
         device=args.device,
         dtype=args.dtype,
         matmul=args.matmul,
+        attention=args.attention,
         max_context=args.max_context,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
@@ -183,17 +188,20 @@ def _run_worker(args: argparse.Namespace, rank: int, world_size: int, local_rank
     from specedge.registry import resolve
     from specedge.server.app import ServerConfig
     from specedge.server.loading import weights_dir
+    from specedge.server.attention import resolve_attention
     from specedge.server.matmul import resolve_matmul
 
     config = ServerConfig(
-        model=args.model, device=args.device, dtype=args.dtype, matmul=args.matmul, parallel=_parallel_config(args)
+        model=args.model, device=args.device, dtype=args.dtype, matmul=args.matmul, attention=args.attention,
+        parallel=_parallel_config(args),
     )
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     spec = RankSpec(
         rank=rank, world_size=world_size, local_rank=local_rank, model_dir=str(weights_dir(resolve(args.model))),
         device_type=device.type, dtype=str(dtype).removeprefix("torch."),
-        matmul=resolve_matmul(config.matmul, device, dtype), store_port=None,
+        matmul=resolve_matmul(config.matmul, device, dtype), attention=resolve_attention(config.attention, device),
+        store_port=None,
         collective_timeout_s=config.parallel.collective_timeout_s, log_level=args.log_level.upper(),
     )  # fmt: skip
     worker_main(spec)

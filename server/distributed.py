@@ -84,6 +84,7 @@ class RankSpec:
     device_type: str  # "cpu" or "cuda"
     dtype: str  # torch dtype name, e.g. "float32"
     matmul: str  # the resolved matrix-product path, "eager" or "onednn" (server/matmul.py)
+    attention: str  # the resolved attention path, "rows" or "flex" (server/attention.py)
     store_port: int | None  # rank 0's TCPStore on 127.0.0.1; None: torchrun's env:// rendezvous
     collective_timeout_s: float
     log_level: str = "INFO"
@@ -148,6 +149,7 @@ class RankGroup:
         device_type: str,
         dtype: torch.dtype,
         matmul: str = "eager",
+        attention: str = "rows",
         on_failure: Callable[[str], None] = lambda reason: None,
     ) -> RankGroup:
         """Start (or, under torchrun, meet) the other ranks and join the groups as rank 0."""
@@ -161,7 +163,7 @@ class RankGroup:
             )  # fmt: skip
         spec = RankSpec(
             rank=0, world_size=world_size, local_rank=local_rank, model_dir=str(model_dir), device_type=device_type,
-            dtype=str(dtype).removeprefix("torch."), matmul=matmul, store_port=None if store is None else store.port,
+            dtype=str(dtype).removeprefix("torch."), matmul=matmul, attention=attention, store_port=None if store is None else store.port,
             collective_timeout_s=config.collective_timeout_s,
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         )  # fmt: skip
@@ -278,6 +280,7 @@ def worker_main(spec: RankSpec) -> None:
         model = load_shard(model_dir, spec.rank, spec.world_size, GroupCollectives(), device=spec.device, dtype=dtype)
         if spec.matmul == "onednn":
             pack_for_onednn(model)
+        model.attention = spec.attention
 
         def make_runner(num_slots: int, max_len: int) -> ModelRunner:
             kv = KVCache(model, num_slots=num_slots, max_len=max_len, device=spec.device, dtype=dtype)

@@ -23,6 +23,7 @@ import torch
 from filelock import FileLock
 
 from specedge.registry import ResolvedModel, default_cache_dir, file_cache_key
+from specedge.server.attention import resolve_attention
 from specedge.server.matmul import pack_for_onednn, resolve_matmul
 from specedge.server.model import CausalLM, Collectives, ModelArgs, rope_frequencies
 from specedge.server.parallel import load_shard
@@ -55,10 +56,12 @@ def load_target(
     cache_dir: pathlib.Path | None = None,
     collectives: Collectives | None = None,
     matmul: str = "eager",
+    attention: str = "auto",
 ) -> Target:
     """The whole model; with `collectives` (a tensor-parallel rank's), only that rank's share of it.
 
     `matmul`: the path its matrix products take (server/matmul.py); `auto` picks the fastest here.
+    `attention`: how rows attend to their KV slots (server/attention.py); `auto` picks by device.
     """
     cache_dir = cache_dir or default_cache_dir()
     kind = resolve_matmul(matmul, device, dtype)
@@ -66,6 +69,7 @@ def load_target(
     if kind == "onednn":
         pack_for_onednn(target.model)
     target.matmul = kind
+    target.model.attention = resolve_attention(attention, device)
     return target
 
 

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from specedge.server.attention import FlexLayout, flex_attention, row_attention
+
 # RoPE variants whose frequencies do not depend on the sequence length; the
 # dynamic ones would make a token's result depend on its batch.
 _STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
@@ -131,6 +133,7 @@ class StepBatch:
     slots: tuple[int, ...]  # [num_rows]
     num_keys: tuple[int, ...]  # [num_rows] keys each row attends: its cache plus its new tokens
     row_masks: tuple[torch.Tensor | None, ...]  # [num_rows] [new, num_keys] bool; None: one token sees all
+    flex: FlexLayout | None = None  # the whole step's block mask, when attention takes the flex path
 
     @property
     def num_rows(self) -> int:
@@ -190,37 +193,11 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         k_cache[batch.kv_slots, batch.kv_positions] = k.to(k_cache.dtype)
         v_cache[batch.kv_slots, batch.kv_positions] = v.view(num_tokens, -1, head_dim).to(v_cache.dtype)
-        out = torch.empty_like(q)  # [N, H, D]
-        for row, slot in enumerate(batch.slots):
-            start, end = batch.cu_num_tokens[row], batch.cu_num_tokens[row + 1]
-            out[start:end] = _row_attention(
-                q[start:end], k_cache[slot, : batch.num_keys[row]], v_cache[slot, : batch.num_keys[row]],
-                batch.row_masks[row],
-            )  # fmt: skip
-        return self.o_proj(out.view(num_tokens, -1))
-
-
-def _row_attention(
-    q: torch.Tensor,  # [T, H, D]
-    keys: torch.Tensor,  # [K, KVH, D], a view of the row's KV slot: read in place, never copied
-    values: torch.Tensor,  # [K, KVH, D]
-    mask: torch.Tensor | None,  # [T, K] bool, or None: every query sees every key
-) -> torch.Tensor:  # [T, H, D]
-    """One row's attention. The G = H / KVH query heads sharing a KV head are folded into the
-    query length, so grouped-query attention needs no repeated copy of the keys:
-
-        q [T, H, D] -> [KVH, G * T, D] (head h = kv * G + g),  keys [K, KVH, D] -> [KVH, K, D]
-    """
-    num_new, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
-    group = num_heads // num_kv_heads
-    folded = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
-    if mask is not None:
-        mask = mask.repeat(group, 1)  # [G * T, K], the same mask for every head of a group
-    out = F.scaled_dot_product_attention(
-        folded[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask
-    )[0]  # [KVH, G * T, D]
-    return out.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, num_heads, head_dim)
+        if batch.flex is not None:
+            out = flex_attention(q, k_cache, v_cache, batch.flex)  # [N, H, D]
+        else:
+            out = row_attention(q, k_cache, v_cache, batch.cu_num_tokens, batch.slots, batch.num_keys, batch.row_masks)
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class MLP(nn.Module):
@@ -276,6 +253,7 @@ class CausalLM(nn.Module):
     ):
         super().__init__()
         self.args = args
+        self.attention = "rows"  # or "flex": how rows attend to their KV slots (server/attention.py)
         self.partition = partition or Partition.whole(args)
         self.collectives = collectives
         self.model = Backbone(args, self.partition)

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from specedge.server import tree
+from specedge.server.attention import flex_layout
 from specedge.server.model import CausalLM, StepBatch
 
 
@@ -121,6 +122,7 @@ class ModelRunner:
         logit_indices: list[int] = []
         cu_num_tokens = [0]
         row_masks: list[torch.Tensor | None] = []
+        row_bases: list[int] = []
         for r in requests:
             num_new, start = len(r.token_ids), r.num_cached
             if start + num_new > self.kv.max_len:
@@ -134,11 +136,21 @@ class ModelRunner:
             kv_positions += range(start, start + num_new)
             logit_indices += range(offset, offset + num_new) if r.all_logits else [offset + num_new - 1]
             cu_num_tokens.append(offset + num_new)
-            row_masks.append(None if num_new == 1 else self._row_mask(r))
+            row_bases += [start] * num_new
+            if self.model.attention == "rows":
+                row_masks.append(None if num_new == 1 else self._row_mask(r))
 
         def on_device(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
+        flex = None
+        if self.model.attention == "flex":
+            row_masks = [None] * len(requests)
+            flex = flex_layout(
+                kv_slots=on_device(kv_slots), kv_positions=on_device(kv_positions), row_bases=on_device(row_bases),
+                tree_table=self._tree_table(requests, len(token_ids)), num_slots=self.kv.num_slots,
+                max_len=self.kv.max_len,
+            )  # fmt: skip
         return StepBatch(
             token_ids=on_device(token_ids),
             positions=on_device(positions),
@@ -149,7 +161,22 @@ class ModelRunner:
             slots=tuple(r.slot for r in requests),
             num_keys=tuple(r.num_cached + len(r.token_ids) for r in requests),
             row_masks=tuple(row_masks),
+            flex=flex,
         )
+
+    def _tree_table(self, requests: Sequence[ForwardRequest], num_tokens: int) -> torch.Tensor | None:
+        """[num_tokens, widest tree] bool: which of its row's new tokens a tree node sees; None without trees."""
+        trees = [r for r in requests if r.tree_parents is not None]
+        if not trees:
+            return None
+        table = torch.zeros(num_tokens, max(len(r.token_ids) for r in trees), dtype=torch.bool)
+        offset = 0
+        for r in requests:
+            num_new = len(r.token_ids)
+            if r.tree_parents is not None:
+                table[offset : offset + num_new, :num_new] = tree.ancestor_mask(r.tree_parents, num_new)
+            offset += num_new
+        return table.to(self.device, non_blocking=True)
 
     def _row_mask(self, request: ForwardRequest) -> torch.Tensor:
         """[new, cached + new] bool: every cached key, then the chain's or tree's own mask."""

@@ -63,6 +63,20 @@ def generate(server, tokenizer, prompt, drafter, **config):
     return asyncio.run(run())
 
 
+def test_flex_attention_server_is_lossless(tiny_target_dir, tokenizer, drafter, reference_model):
+    """The CUDA attention path (one FlexAttention call per step), forced on a CPU server: speculative and
+    server-only answers still equal target-only decoding, token for token."""
+    config = ServerConfig(
+        model=str(tiny_target_dir), port=0, max_context=128, attention="flex", engine=EngineConfig(max_sessions=2)
+    )
+    with ServerThread(config) as flex_server:
+        for messages in PROMPTS[:2]:
+            prompt = tokenizer.apply_chat_template(messages)
+            expected = greedy_decode(reference_model, prompt, 24, set(tokenizer.eos_token_ids))
+            assert generate(flex_server, tokenizer, prompt, drafter, num_draft=4, max_new_tokens=24).token_ids == expected
+            assert generate(flex_server, tokenizer, prompt, None, max_new_tokens=24).token_ids == expected
+
+
 @pytest.mark.parametrize("num_draft", [1, 2, 4, 8])
 def test_greedy_speculative_equals_target_only(server, tokenizer, drafter, reference_model, num_draft):
     rounds = accepted = generated = 0

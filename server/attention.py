@@ -1,0 +1,146 @@
+"""How a step's packed rows attend to their KV slots: one seam, chosen per device.
+
+- `rows` (CPU): one scaled-dot-product call per row, reading the row's slot in place
+  as a view. On a CPU a call costs tens of microseconds, and the flash kernel reads
+  the strided view without a copy.
+- `flex` (CUDA): one FlexAttention call for the whole step. The KV cache is seen as
+  one long sequence of num_slots * max_len keys (a view, no copy), and a block mask
+  built once per step lets each query see only its own slot's cached keys and
+  whatever of its row's new tokens its chain or tree allows. Blocks outside a row's
+  slot are skipped, so the work follows the real tokens, and the rows need no loop.
+  Compiled on CUDA; elsewhere FlexAttention runs its eager reference, which
+  materialises every score (correct, slow: for checking the layout on a CPU).
+- `auto`: `flex` on CUDA, `rows` elsewhere.
+
+Both paths compute the same attention; only rounding differs. One server uses one
+path for every forward, so speculative and server-only decoding on it agree.
+
+    rows A (slot 2, cached 7, new chain [a0 a1]), B (slot 0, cached 3, new [b0]); max_len 16
+    keys seen as kv_idx = slot * 16 + position
+    a1 sees kv_idx 32..40 (slot 2, positions 0..8); b0 sees 0..3 (slot 0, positions 0..3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+from torch.nn import functional as F
+
+log = logging.getLogger(__name__)
+
+ATTENTION_KINDS = ("auto", "rows", "flex")
+
+
+def resolve_attention(kind: str, device: torch.device) -> str:
+    """The path a server will use: `kind` itself, or what `auto` means on this device."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention path {kind!r}; choose one of {', '.join(ATTENTION_KINDS)}")
+    if kind == "auto":
+        return "flex" if device.type == "cuda" else "rows"
+    if kind == "flex" and device.type != "cuda":
+        log.info("flex attention on %s runs FlexAttention's eager reference: correct but slow", device.type)
+    return kind
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexLayout:
+    """One step's block mask over the KV cache seen as [num_slots * max_len] keys; shared by every layer."""
+
+    block_mask: object  # torch.nn.attention.flex_attention.BlockMask
+
+
+def flex_layout(
+    *,
+    kv_slots: torch.Tensor,  # [N] each query token's slot
+    kv_positions: torch.Tensor,  # [N] each query token's own KV position
+    row_bases: torch.Tensor,  # [N] its row's first new position (the row's cached length)
+    tree_table: torch.Tensor | None,  # [N, W] bool: new token j of its row visible; None: every row a chain
+    num_slots: int,
+    max_len: int,
+) -> FlexLayout:
+    """The block mask: query i sees key (slot, pos) when slot is its own and pos is cached, or pos is one of
+    its row's new tokens that its chain (pos <= its own) or tree (tree_table) lets it see."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    width = 1 if tree_table is None else tree_table.shape[1]
+    is_tree = torch.zeros_like(kv_slots, dtype=torch.bool) if tree_table is None else tree_table.any(dim=1)
+    table = tree_table if tree_table is not None else torch.zeros(kv_slots.shape[0], 1, dtype=torch.bool, device=kv_slots.device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        slot, pos = kv_idx // max_len, kv_idx % max_len
+        base = row_bases[q_idx]
+        rel = pos - base
+        in_tree = table[q_idx, rel.clamp(0, width - 1)] & (rel < width)
+        new_ok = torch.where(is_tree[q_idx], in_tree, pos <= kv_positions[q_idx])
+        return (slot == kv_slots[q_idx]) & ((pos < base) | ((rel >= 0) & new_ok))
+
+    device = kv_slots.device
+    num_tokens = kv_slots.shape[0]
+    mask = create_block_mask(
+        mask_mod, None, None, num_tokens, num_slots * max_len, device=device, _compile=device.type == "cuda"
+    )
+    return FlexLayout(mask)
+
+
+def flex_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [num_slots, max_len, KVH, D]
+    v_cache: torch.Tensor,
+    layout: FlexLayout,
+) -> torch.Tensor:  # [N, H, D]
+    num_slots, max_len, num_kv_heads, head_dim = k_cache.shape
+    keys = k_cache.view(num_slots * max_len, num_kv_heads, head_dim).transpose(0, 1)[None]  # [1, KVH, S*L, D]
+    values = v_cache.view(num_slots * max_len, num_kv_heads, head_dim).transpose(0, 1)[None]
+    out = _flex(q.device.type)(q.transpose(0, 1)[None], keys, values, block_mask=layout.block_mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@functools.cache
+def _flex(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    return torch.compile(flex, dynamic=True) if device_type == "cuda" else flex
+
+
+def row_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [num_slots, max_len, KVH, D]
+    v_cache: torch.Tensor,
+    cu_num_tokens: tuple[int, ...],
+    slots: tuple[int, ...],
+    num_keys: tuple[int, ...],
+    row_masks: tuple[torch.Tensor | None, ...],
+) -> torch.Tensor:  # [N, H, D]
+    """Each row's attention over a view of its own slot, one call per row."""
+    out = torch.empty_like(q)
+    for row, slot in enumerate(slots):
+        start, end = cu_num_tokens[row], cu_num_tokens[row + 1]
+        keys, values = k_cache[slot, : num_keys[row]], v_cache[slot, : num_keys[row]]
+        out[start:end] = _one_row(q[start:end], keys, values, row_masks[row])
+    return out
+
+
+def _one_row(
+    q: torch.Tensor,  # [T, H, D]
+    keys: torch.Tensor,  # [K, KVH, D], a view of the row's KV slot: read in place, never copied
+    values: torch.Tensor,  # [K, KVH, D]
+    mask: torch.Tensor | None,  # [T, K] bool, or None: every query sees every key
+) -> torch.Tensor:  # [T, H, D]
+    """One row's attention. The G = H / KVH query heads sharing a KV head are folded into the
+    query length, so grouped-query attention needs no repeated copy of the keys:
+
+        q [T, H, D] -> [KVH, G * T, D] (head h = kv * G + g),  keys [K, KVH, D] -> [KVH, K, D]
+    """
+    num_new, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    folded = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
+    if mask is not None:
+        mask = mask.repeat(group, 1)  # [G * T, K], the same mask for every head of a group
+    out = F.scaled_dot_product_attention(
+        folded[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask
+    )[0]  # [KVH, G * T, D]
+    return out.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(num_new, num_heads, head_dim)
