@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from harness import ServerThread
@@ -75,6 +76,20 @@ def test_flex_attention_server_is_lossless(tiny_target_dir, tokenizer, drafter, 
             expected = greedy_decode(reference_model, prompt, 24, set(tokenizer.eos_token_ids))
             assert generate(flex_server, tokenizer, prompt, drafter, num_draft=4, max_new_tokens=24).token_ids == expected
             assert generate(flex_server, tokenizer, prompt, None, max_new_tokens=24).token_ids == expected
+
+
+def test_bfloat16_server_is_lossless_against_itself(tiny_target_dir, tokenizer, drafter):
+    """--dtype bfloat16 (oneDNN's bf16 kernels where the CPU has them) changes the target's numerics, so its answers
+    are compared with its own server-only decoding: speculative equals server-only, token for token."""
+    config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=128, dtype="bfloat16", engine=EngineConfig(max_sessions=2))
+    with ServerThread(config) as bf16_server:
+        assert bf16_server.server.engine.stepper.runner.kv.k[0].dtype == torch.bfloat16
+        for messages in PROMPTS:
+            prompt = tokenizer.apply_chat_template(messages)
+            server_only = generate(bf16_server, tokenizer, prompt, None, max_new_tokens=32).token_ids
+            for num_draft in (2, 5):
+                speculative = generate(bf16_server, tokenizer, prompt, drafter, num_draft=num_draft, max_new_tokens=32)
+                assert speculative.token_ids == server_only, num_draft
 
 
 @pytest.mark.parametrize("num_draft", [1, 2, 4, 8])
