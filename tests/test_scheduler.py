@@ -27,7 +27,7 @@ def test_double_release_is_refused():
 
 
 def test_rounds_go_first_in_arrival_order_within_the_token_budget():
-    batcher = Batcher(BatcherConfig(max_batch_tokens=10, max_batch_rows=3, prefill_reserve=4))
+    batcher = Batcher(BatcherConfig(max_batch_tokens=10, max_batch_rows=3, prefill_reserve=4, fair_shares=False))
     for name, tokens in [("a", 4), ("b", 5), ("c", 2), ("d", 1), ("e", 1)]:
         batcher.add_round(name, tokens)
     assert batcher.plan_step().rounds == ["a", "b"]  # c would exceed 10 tokens
@@ -36,7 +36,7 @@ def test_rounds_go_first_in_arrival_order_within_the_token_budget():
 
 
 def test_a_round_larger_than_the_budget_still_runs_alone():
-    batcher = Batcher(BatcherConfig(max_batch_tokens=8, prefill_reserve=4))
+    batcher = Batcher(BatcherConfig(max_batch_tokens=8, prefill_reserve=4, fair_shares=False))
     batcher.add_round("big", 100)
     batcher.add_round("small", 1)
     assert batcher.plan_step().rounds == ["big"]
@@ -44,7 +44,7 @@ def test_a_round_larger_than_the_budget_still_runs_alone():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_rounds():
-    batcher = Batcher(BatcherConfig(max_batch_tokens=64, prefill_reserve=16))
+    batcher = Batcher(BatcherConfig(max_batch_tokens=64, prefill_reserve=16, fair_shares=False))
     batcher.add_round("a", 5)
     batcher.add_round("b", 40)
     batcher.add_prefill("p", 300)
@@ -63,7 +63,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_rounds():
 
 
 def test_rounds_cannot_starve_a_waiting_prefill():
-    batcher = Batcher(BatcherConfig(max_batch_tokens=32, prefill_reserve=8))
+    batcher = Batcher(BatcherConfig(max_batch_tokens=32, prefill_reserve=8, fair_shares=False))
     batcher.add_prefill("p", 20)
     prefilled = 0
     for step in range(10):
@@ -80,7 +80,7 @@ def test_rounds_cannot_starve_a_waiting_prefill():
 
 
 def test_prefills_are_served_first_come_first_served():
-    batcher = Batcher(BatcherConfig(max_batch_tokens=10, prefill_reserve=10))
+    batcher = Batcher(BatcherConfig(max_batch_tokens=10, prefill_reserve=10, fair_shares=False))
     batcher.add_prefill("first", 15)
     batcher.add_prefill("second", 5)
     assert [c.key for c in batcher.plan_step().prefills] == ["first"]
@@ -152,7 +152,7 @@ def test_step_cost_model_needs_varied_steps_and_free_tokens_mean_no_load():
 
 def test_a_waiting_prefill_always_gets_a_row():
     """Rounds enough to fill every row leave one for the prefill (the reserve once counted only tokens)."""
-    batcher = Batcher(BatcherConfig(max_batch_tokens=512, max_batch_rows=4, prefill_reserve=8))
+    batcher = Batcher(BatcherConfig(max_batch_tokens=512, max_batch_rows=4, prefill_reserve=8, fair_shares=False))
     for key in "abcdef":
         batcher.add_round(key, 2)
     batcher.add_prefill("p", 30)
@@ -164,8 +164,8 @@ def test_a_waiting_prefill_always_gets_a_row():
 def test_rounds_keep_a_step_near_the_knee():
     """With the knee known, a chunk beside rounds fills only up to it (never below the reserve);
     without rounds the prefill takes the whole budget."""
-    batcher = Batcher(BatcherConfig(max_batch_tokens=512, prefill_reserve=16))
-    batcher.knee_tokens = 60
+    batcher = Batcher(BatcherConfig(max_batch_tokens=512, prefill_reserve=16, fair_shares=False))
+    batcher.curve = (0.6, 0.01)  # seconds ~ 0.6 + 0.01 * tokens: the knee is at 60 tokens
     batcher.add_round("a", 5)
     batcher.add_round("b", 5)
     batcher.add_prefill("p", 1000)
