@@ -130,8 +130,10 @@ class Batcher:
         return max(1, round(a / b))
 
     def step_budget(self) -> int:
-        """The most tokens a step carries with fair shares: the knee, within [min_step_tokens, max_batch_tokens]."""
+        """The most tokens a step carries: with fair shares the knee, within [min_step_tokens, max_batch_tokens]."""
         config = self.config
+        if not config.fair_shares:
+            return config.max_batch_tokens
         if config.step_tokens is not None:
             budget = config.step_tokens
         elif self.curve is None:

@@ -58,6 +58,9 @@ class ServerConfig:
     engine: EngineConfig = EngineConfig()
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off, 0 picks a free port
     metrics_host: str | None = None  # default: same as host
+    # Label verified tokens and cut draft nodes by identity in /metrics (token names, or without tokens
+    # connection addresses: sensitive, and one series per connection), only when the operator asks.
+    metrics_per_identity: bool = False
     # KV memory budget in GiB; slots beyond it are not created. None: 90% of free
     # GPU memory after the weights, or half the available RAM on CPU.
     kv_cache_gb: float | None = None
@@ -194,7 +197,7 @@ class SpecEdgeServer:
             kv.num_slots, kv.max_len,
             bytes_per_slot * kv.num_slots / 2**30,
         )  # fmt: skip
-        self.stats = ServerStats()  # the engine reports here; metrics.py exports it
+        self.stats = ServerStats(per_identity=config.metrics_per_identity)  # the engine reports; metrics.py exports
         self.stats.set_sessions(active=0, slots_used=0, slots_free=kv.num_slots)
         server_drafter = None
         if draft is not None:
@@ -205,6 +208,7 @@ class SpecEdgeServer:
             self.ranks.start_serving(num_slots, max_context)
             runner = TensorParallelRunner(runner, self.ranks)
         self.engine = Engine(runner, target, engine_config, stats=self.stats, server_drafter=server_drafter)
+        self.engine.calibrate()  # the step budget's first cost curve, logged
 
     def _on_rank_failure(self, reason: str) -> None:
         """Any thread: a tensor-parallel rank failed, so this server must stop (see `wait_failed`)."""

@@ -13,6 +13,7 @@ import signal
 import sys
 
 from specedge.fleet.broker import FleetError, add_broker_options
+from specedge.scheduler import BatcherConfig
 from specedge.server.distributed import ParallelConfig, RankFailure, RankSpec, torchrun_rank, worker_main
 from specedge.server.engine import EngineConfig
 from specedge.server.limits import DEFAULT_MAX_ATTACH_PER_IDENTITY, RateLimitConfig
@@ -62,6 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "gloo on CPU). Default 1, or torchrun's WORLD_SIZE under torchrun",
     )  # fmt: skip
     parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is closed")
+    shares = parser.add_argument_group("fair shares of a step (see SECURITY.md)")
+    shares.add_argument(
+        "--step-tokens", type=int, default=None,
+        help="tokens one step carries, shared max-min across identities (default: the measured cost curve's knee)",
+    )  # fmt: skip
+    shares.add_argument(
+        "--no-fair-shares", dest="fair_shares", action="store_false",
+        help="take rounds in arrival order with no step budget (one identity can then slow every other)",
+    )  # fmt: skip
     security = parser.add_argument_group("security (see SECURITY.md)")
     security.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     security.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -89,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default off)")
     parser.add_argument("--metrics-host", default=None, help="address for /metrics (default: --host)")
+    parser.add_argument(
+        "--metrics-per-identity", action="store_true",
+        help="label verified tokens and cut draft nodes by identity in /metrics (identities may be sensitive)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="INFO")
     fleet = parser.add_argument_group("fleet control plane (needs the mqtt extra)")
     fleet.add_argument(
@@ -140,6 +154,7 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
         max_context=args.max_context,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        metrics_per_identity=args.metrics_per_identity,
         kv_cache_gb=args.kv_cache_gb,
         draft_model=args.draft_model,
         fleet=fleet_config(args),
@@ -150,6 +165,7 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
             max_prompt_tokens=args.max_prompt_tokens,
             max_sessions_per_identity=args.max_sessions_per_identity,
             idle_timeout_s=args.idle_timeout,
+            batcher=BatcherConfig(fair_shares=args.fair_shares, step_tokens=args.step_tokens),
         ),
         parallel=parallel,
         transport=TransportConfig(

@@ -5,7 +5,7 @@ the session's work is queued and its future awaited. Each step, the loop
 takes the batcher's plan (scheduler/batcher.py, pure Python) out of the
 queue and hands its rows to the engine thread (server/step.py), which runs
 plan -> forward -> draws -> commit and returns a typed `StepResult`; the loop
-resolves the rows' futures and feeds the measured knee back to the batcher.
+resolves the rows' futures and feeds the measured cost curve back to the batcher.
 A single engine thread runs every forward, so the KV cache has exactly one
 writer; a round that arrives while a forward runs joins the next one.
 """
@@ -301,9 +301,9 @@ class Engine:
     def _enqueue(self, work: Work, num_tokens: int, start: int = 0) -> _Queued:
         """Queue a session's one piece of work for the next step (synchronous: no await)."""
         if work.is_prefill:
-            self.batcher.add_prefill(work.session.id, num_tokens, start)
+            self.batcher.add_prefill(work.session.id, num_tokens, start, owner=work.session.owner)
         else:
-            self.batcher.add_round(work.session.id, num_tokens)
+            self.batcher.add_round(work.session.id, num_tokens, owner=work.session.owner)
         queued = self._work[work.session.id] = _Queued(work, asyncio.get_running_loop().create_future())
         self._wakeup.set()
         return queued
@@ -342,13 +342,18 @@ class Engine:
                 rows = [StepRow(q.work, None) for q in queued[: len(plan.rounds)]] + [
                     StepRow(q.work, chunk) for q, chunk in zip(queued[len(plan.rounds) :], plan.prefills)
                 ]
+                for q in queued:  # fair shares: each row's share (the advice follows it), and the cuts
+                    q.work.share = plan.shares.get(q.work.session.id)
+                for key, num_tokens in plan.cuts.items():
+                    self._work[key].work.cut(num_tokens)
                 schedule_s = time.perf_counter() - planned_at
                 try:
                     result: StepResult = await loop.run_in_executor(self._executor, self.stepper.step, rows, schedule_s)
                 except Exception as exc:  # a bug outside any one row: every row fails alike
                     log.exception("engine step failed")
-                    result = StepResult([failure_for_client(exc)] * len(rows), self.batcher.knee_tokens, self.load)
-                self.batcher.knee_tokens, self.load = result.knee_tokens, result.load
+                    result = StepResult([failure_for_client(exc)] * len(rows), None, self.load)
+                self.load = result.load
+                self._update_curve(result.curve)
                 for q, outcome in zip(queued, result.outcomes):
                     if q.future.done() or outcome is None:
                         continue
@@ -359,6 +364,32 @@ class Engine:
                 # Let the sessions just woken queue their next work (server-driven
                 # streams do so at once) before the next step is planned.
                 await asyncio.sleep(0)
+
+    # -- the step budget's cost curve ------------------------------------------
+
+    def calibrate(self) -> None:
+        """Time the step cost curve before serving (on the engine thread's runner, which nothing else uses
+        yet), then log the step budget and the curve it came from."""
+        self._update_curve(self.stepper.calibrate(self.config.max_context), announce=True)
+
+    def _update_curve(self, curve: tuple[float, float] | None, announce: bool = False) -> None:
+        """Feed the batcher the latest fit (None, a fit not possible now, keeps the last one)."""
+        if curve is not None:
+            self.batcher.curve = curve
+        budget = self.batcher.step_budget()
+        self.stats.set_step_cost(curve=self.batcher.curve, knee_tokens=self.batcher.knee_tokens, budget=budget)
+        if not announce:
+            return
+        if not self.config.batcher.fair_shares:
+            log.info("fair shares off: steps take rounds in arrival order, up to %d tokens", budget)
+        elif self.batcher.curve is None:
+            log.info("step budget: %d tokens (the default, until the cost curve is measured)", budget)
+        else:
+            a, b = self.batcher.curve
+            log.info(
+                "step budget: %d tokens, shared across identities; cost curve: %.1f ms + %.3f ms per token "
+                "(knee %s tokens)", budget, a * 1e3, b * 1e3, self.batcher.knee_tokens or "unbounded",
+            )  # fmt: skip
 
     async def _reap_idle(self) -> None:
         period = min(30.0, self.config.idle_timeout_s / 2)

@@ -32,11 +32,24 @@ _COUNTERS = (
     ("engine_steps", "num_steps", "Batched forward steps run by the engine."),
     ("sessions_rejected", "sessions_rejected", "Sessions refused at admission (no free KV slot)."),
     ("requests_failed", "requests_failed", "Requests that failed inside the engine alone (their batch ran without them)."),
+    ("verified_tokens", "num_verified_tokens", "Tokens the target ran for verify rounds: pending tokens and verified nodes."),
+    ("cut_draft_nodes", "num_cut_nodes", "Draft nodes not verified because their round exceeded its share of a step."),
 )
 _GAUGES = (
     ("active_sessions", "active_sessions", "Open sessions."),
     ("kv_slots_used", "kv_slots_used", "KV-cache slots held by sessions."),
     ("kv_slots_free", "kv_slots_free", "KV-cache slots free for new sessions."),
+    ("step_budget_tokens", "step_budget_tokens", "Most tokens one step carries (fair shares: the cost curve's knee)."),
+    ("step_cost_fixed_seconds", "step_cost_fixed_s", "Measured step cost curve a + b * tokens: a, in seconds."),
+    ("step_cost_per_token_seconds", "step_cost_per_token_s", "Measured step cost curve a + b * tokens: b, in seconds."),
+    ("step_cost_knee_tokens", "step_cost_knee_tokens", "The curve's knee a / b in tokens (0: not measured, or unbounded)."),
+)
+# (name, snapshot key of a dict label -> count, label, help). By identity: only on a server started
+# with --metrics-per-identity (server/stats.py); otherwise those families are empty.
+_LABELLED_COUNTERS = (
+    ("requests_refused", "requests_refused", "reason", "Calls refused by policy, by reason."),
+    ("identity_verified_tokens", "verified_tokens_by_identity", "identity", "Tokens the target ran for an identity's rounds."),
+    ("identity_cut_draft_nodes", "cut_nodes_by_identity", "identity", "Draft nodes of an identity cut to its share of a step."),
 )
 _HISTOGRAMS = (
     ("queue_wait_seconds", "queue_wait_s", "Time a request waited in the queue before its batch ran."),
@@ -68,12 +81,11 @@ class StatsCollector(Collector):
             per_pos.add_metric([str(position)], count)
         yield per_pos
 
-        refused = CounterMetricFamily(
-            PREFIX + "requests_refused", "Calls refused by policy, by reason.", labels=["reason"]
-        )
-        for reason, count in sorted(snapshot["requests_refused"].items()):
-            refused.add_metric([reason], count)
-        yield refused
+        for name, key, label, documentation in _LABELLED_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=[label])
+            for value, count in sorted(snapshot[key].items()):
+                family.add_metric([value], count)
+            yield family
 
         for name, key, documentation in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, documentation, value=snapshot[key])

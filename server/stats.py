@@ -8,6 +8,13 @@ about them. Meanings follow vLLM where they overlap:
 - mean acceptance length = 1 + num_accepted_tokens / num_drafts;
 - num_accepted_tokens_per_pos[i]: rounds whose draft token at depth i+1 was
   accepted (for trees: the accepted path's depth).
+
+Fair shares (scheduler/batcher.py): *verified tokens* are what the target ran
+for an identity's rounds (each round's pending token and the draft nodes it
+verified); *cut nodes* are draft nodes dropped because a round exceeded its
+share of a step. They are kept per identity only when the operator asks
+(`per_identity`): identities may be sensitive, and without tokens every
+connection is one.
 """
 
 from __future__ import annotations
@@ -44,8 +51,17 @@ _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 class ServerStats:
     """Thread-safe: the engine thread and the event loop both report."""
 
-    def __init__(self):
+    def __init__(self, per_identity: bool = False):
         self._lock = threading.Lock()
+        self.per_identity = per_identity
+        self.num_verified_tokens = 0
+        self.num_cut_nodes = 0
+        self.verified_tokens_by_identity: collections.Counter[str] = collections.Counter()
+        self.cut_nodes_by_identity: collections.Counter[str] = collections.Counter()
+        self.step_budget_tokens = 0
+        self.step_cost_fixed_s = 0.0  # the measured curve: a step takes fixed + per_token * tokens seconds
+        self.step_cost_per_token_s = 0.0
+        self.step_cost_knee_tokens = 0  # 0: unknown, or tokens are free
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -95,6 +111,22 @@ class ServerStats:
             self.schedule_s.observe(schedule_s)
             self.postprocess_s.observe(postprocess_s)
 
+    def observe_share(self, identity: str, *, verified_tokens: int, cut_nodes: int) -> None:
+        """One round's use of its share: tokens the target ran for it, and draft nodes cut from it."""
+        with self._lock:
+            self.num_verified_tokens += verified_tokens
+            self.num_cut_nodes += cut_nodes
+            if self.per_identity:
+                self.verified_tokens_by_identity[identity] += verified_tokens
+                self.cut_nodes_by_identity[identity] += cut_nodes
+
+    def set_step_cost(self, *, curve: tuple[float, float] | None, knee_tokens: int | None, budget: int) -> None:
+        """The step budget and the measured cost curve (seconds ~ a + b * tokens) it came from."""
+        with self._lock:
+            self.step_budget_tokens = budget
+            self.step_cost_fixed_s, self.step_cost_per_token_s = curve or (0.0, 0.0)
+            self.step_cost_knee_tokens = knee_tokens or 0
+
     def observe_queue_wait(self, seconds: float) -> None:
         with self._lock:
             self.queue_wait_s.observe(seconds)
@@ -134,6 +166,14 @@ class ServerStats:
                 "sessions_rejected": self.sessions_rejected,
                 "requests_refused": dict(self.requests_refused),
                 "requests_failed": self.requests_failed,
+                "num_verified_tokens": self.num_verified_tokens,
+                "num_cut_nodes": self.num_cut_nodes,
+                "verified_tokens_by_identity": dict(self.verified_tokens_by_identity),
+                "cut_nodes_by_identity": dict(self.cut_nodes_by_identity),
+                "step_budget_tokens": self.step_budget_tokens,
+                "step_cost_fixed_s": self.step_cost_fixed_s,
+                "step_cost_per_token_s": self.step_cost_per_token_s,
+                "step_cost_knee_tokens": self.step_cost_knee_tokens,
                 **{
                     name: copy.deepcopy(getattr(self, name))
                     for name in ("queue_wait_s", "forward_s", "schedule_s", "postprocess_s", "batch_size", "batch_tokens")

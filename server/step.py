@@ -34,6 +34,8 @@ from specedge.types import FinishReason, SparseDist
 
 log = logging.getLogger(__name__)
 
+CALIBRATION_TOKENS = (1, 4, 16, 64)  # forward sizes timed at start, twice each, for the first cost curve
+
 
 @dataclasses.dataclass(eq=False)
 class Work:
@@ -47,6 +49,19 @@ class Work:
     draft_parents: tuple[int, ...] = ()
     draft_dists: tuple[SparseDist, ...] = ()  # chains only: q of each draft token (rejection sampling)
     server_draft_tokens: int = 0  # > 0: the server drafts this round itself (filled in on the engine thread)
+    share: int | None = None  # tokens this row could have had in its step (fair shares); the advice follows it
+    num_cut_nodes: int = 0  # draft nodes dropped because the round exceeded its share
+
+    def cut(self, num_tokens: int) -> None:
+        """Keep the pending token and the first num_tokens - 1 draft nodes. Children come after
+        their parents, so the nodes kept are a chain's prefix, or a subtree closed under parents."""
+        keep = num_tokens - 1
+        if self.server_draft_tokens:
+            self.num_cut_nodes, self.server_draft_tokens = self.server_draft_tokens - keep, keep
+            return
+        self.num_cut_nodes = len(self.draft_token_ids) - keep
+        self.draft_token_ids, self.draft_parents = self.draft_token_ids[:keep], self.draft_parents[:keep]
+        self.draft_dists = self.draft_dists[:keep]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +86,7 @@ class RoundOutcome:
     num_generated: int
     advised_draft_tokens: int
     timing: RoundTiming
+    num_verified_nodes: int = 0  # draft nodes verified: the round's first ones; the rest were cut to its share
 
 
 # A row's outcome: a committed round (or a prompt's last chunk), None for a prefill chunk
@@ -81,7 +97,7 @@ RowOutcome = RoundOutcome | errors.ServiceError | None
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     outcomes: list[RowOutcome]  # one per row, in the plan's order
-    knee_tokens: int | None  # the cost curve's knee as measured so far (scheduler/batcher.py)
+    curve: tuple[float, float] | None  # the step cost curve as measured so far (scheduler/batcher.py); None: unknown
     load: float  # marginal cost of a draft token, what speculation advice follows
 
 
@@ -143,7 +159,21 @@ class Stepper:
             schedule_s=schedule_s,
             postprocess_s=time.monotonic() - started - forward_s,
         )
-        return StepResult(outcomes, self.cost_model.knee_tokens(), self.load)
+        return StepResult(outcomes, self.cost_model.fit(), self.load)
+
+    def calibrate(self, max_tokens: int) -> tuple[float, float] | None:
+        """Time a few forwards of different sizes (below `max_tokens`) on slot 0, before any session holds
+        it, so the step budget starts from a measured cost curve; the curve."""
+        sizes = [n for n in CALIBRATION_TOKENS if n < max_tokens]
+        try:
+            self.runner.forward_packed([ForwardRequest(0, 0, (0,))])  # warm-up, not timed
+            for num_tokens in sizes * 2:
+                started = time.monotonic()
+                self.runner.forward_packed([ForwardRequest(0, 0, (0,) * num_tokens)])
+                self.cost_model.observe(batch_tokens=num_tokens, batch_rows=1, seconds=time.monotonic() - started)
+        except Exception:  # the engine still serves, from the default budget until steps are measured
+            log.exception("timing the step cost curve failed")
+        return self.cost_model.fit()
 
     def _measure(self, batch_tokens: int, batch_rows: int, seconds: float, *, clean: bool) -> None:
         """Feed the cost curve (only steps without retries: those would skew it) and the load."""
@@ -237,12 +267,18 @@ class Stepper:
                 )  # fmt: skip
         except Exception as exc:
             return exc
+        if row.chunk is None:
+            num_verified = len(work.draft_token_ids)
+            self.stats.observe_share(session.owner, verified_tokens=1 + num_verified, cut_nodes=work.num_cut_nodes)
         if committed is None:  # a prefill chunk before the prompt's last
             return None
         advice = session.speculation.next_advice(self.load)
+        if work.share is not None:  # never more than the row's share: a well-behaved edge is then never cut
+            advice = min(advice, max(0, work.share - 1))
         outcome = RoundOutcome(
-            committed.accepted_nodes, committed.token_ids, session.finish, len(session.generated), advice, timing
-        )
+            committed.accepted_nodes, committed.token_ids, session.finish, len(session.generated), advice, timing,
+            num_verified_nodes=len(work.draft_token_ids) if row.chunk is None else 0,
+        )  # fmt: skip
         return outcome if committed.kv_move is None else (outcome, committed.kv_move)
 
 

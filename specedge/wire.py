@@ -56,6 +56,7 @@ def round_to_proto(outcome) -> pb.VerifyResponse:
         finish_reason=finish_to_proto(outcome.finish),
         num_generated=outcome.num_generated,
         advised_draft_tokens=outcome.advised_draft_tokens,
+        num_verified_nodes=outcome.num_verified_nodes,
         timing=pb.RoundTiming(
             queue_ms=timing.queue_s * 1e3,
             forward_ms=timing.forward_s * 1e3,
@@ -63,6 +64,11 @@ def round_to_proto(outcome) -> pb.VerifyResponse:
             batch_tokens=timing.batch_tokens,
         ),
     )
+
+
+def verified_nodes_from_proto(reply: pb.VerifyResponse, num_draft_tokens: int) -> int:
+    """Draft nodes the server verified; a server older than the field verified all it was sent."""
+    return reply.num_verified_nodes if reply.HasField("num_verified_nodes") else num_draft_tokens
 
 
 def dists_to_proto(dists) -> list[pb.SparseDistribution]:

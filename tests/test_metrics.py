@@ -54,8 +54,8 @@ def histogram(name: str, les: list[str], cumulative: list[int], total: float) ->
     return {**samples, (f"{name}_sum", ()): total, (f"{name}_count", ()): cumulative[-1]}
 
 
-def scripted_stats() -> ServerStats:
-    stats = ServerStats()
+def scripted_stats(per_identity: bool = True) -> ServerStats:
+    stats = ServerStats(per_identity=per_identity)
     stats.observe_prefill(num_prompt_tokens=10)
     stats.observe_prefill(num_prompt_tokens=7)
     stats.observe_round(num_draft_tokens=4, accepted_depth=3, num_committed=4)
@@ -72,6 +72,10 @@ def scripted_stats() -> ServerStats:
     stats.observe_refused("rate_limited")
     stats.observe_failed_request()
     stats.set_sessions(active=2, slots_used=2, slots_free=6)
+    stats.observe_share("alice", verified_tokens=5, cut_nodes=0)
+    stats.observe_share("bob", verified_tokens=8, cut_nodes=57)  # a 64-node round cut to its first 7
+    stats.observe_share("bob", verified_tokens=1, cut_nodes=0)
+    stats.set_step_cost(curve=(0.12, 0.008), knee_tokens=15, budget=15)
     return stats
 
 
@@ -93,6 +97,16 @@ EXPECTED = {
     ("specedge:active_sessions", ()): 2,
     ("specedge:kv_slots_used", ()): 2,
     ("specedge:kv_slots_free", ()): 6,
+    ("specedge:verified_tokens_total", ()): 14,
+    ("specedge:cut_draft_nodes_total", ()): 57,
+    ("specedge:identity_verified_tokens_total", (("identity", "alice"),)): 5,
+    ("specedge:identity_verified_tokens_total", (("identity", "bob"),)): 9,
+    ("specedge:identity_cut_draft_nodes_total", (("identity", "alice"),)): 0,
+    ("specedge:identity_cut_draft_nodes_total", (("identity", "bob"),)): 57,
+    ("specedge:step_budget_tokens", ()): 15,
+    ("specedge:step_cost_fixed_seconds", ()): 0.12,
+    ("specedge:step_cost_per_token_seconds", ()): 0.008,
+    ("specedge:step_cost_knee_tokens", ()): 15,
     ("specedge:spec_decode_acceptance_rate", ()): 0.5,  # 4 accepted / 8 drafted
     ("specedge:spec_decode_mean_acceptance_length", ()): 3.0,  # 1 + 4 accepted / 2 drafts
     **histogram("specedge:queue_wait_seconds", SECONDS_LE, [1] * 8 + [2] * 6, 0.301),
@@ -133,6 +147,13 @@ def test_scripted_stats_export_exactly(metrics):
         ("specedge:batch_tokens", "histogram"),
     ]:
         assert f"# TYPE {name} {kind}\n" in text
+
+
+def test_identities_are_labelled_only_when_the_operator_asks(metrics):
+    _, samples = scrape(metrics(scripted_stats(per_identity=False)))
+    assert not [key for key in samples if key[0].startswith("specedge:identity_")]
+    assert samples[("specedge:verified_tokens_total", ())] == 14  # the totals are always there
+    assert samples[("specedge:cut_draft_nodes_total", ())] == 57
 
 
 def test_values_are_read_at_scrape_time(metrics):
@@ -183,6 +204,8 @@ def test_config_and_cli_flags():
     args = parse_args(["--model", "x", "--metrics-port", "9400", "--metrics-host", "0.0.0.0"])
     assert (args.metrics_port, args.metrics_host) == (9400, "0.0.0.0")
     assert parse_args(["--model", "x"]).metrics_port is None
+    assert not parse_args(["--model", "x"]).metrics_per_identity
+    assert parse_args(["--model", "x", "--metrics-per-identity"]).metrics_per_identity
 
 
 def test_live_server_health_reflection_metrics(tiny_target_dir):
@@ -257,7 +280,13 @@ def test_cli_logs_metrics_address_and_keeps_stdout_clean(tiny_target_dir):
         while not (found := re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", "".join(stderr_lines))):
             assert time.monotonic() < deadline, "".join(stderr_lines)
             time.sleep(0.05)
-        assert scrape(int(found.group(1)))[1][("specedge:kv_slots_free", ())] == 8  # --max-sessions default
+        samples = scrape(int(found.group(1)))[1]
+        assert samples[("specedge:kv_slots_free", ())] == 8  # --max-sessions default
+        # The step budget and the cost curve it came from, timed at start: in the log and in /metrics.
+        logged = re.search(r"step budget: (\d+) tokens, shared across identities; cost curve: ", "".join(stderr_lines))
+        assert logged, "".join(stderr_lines)
+        assert samples[("specedge:step_budget_tokens", ())] == int(logged.group(1)) >= 8  # never under the floor
+        assert samples[("specedge:step_cost_fixed_seconds", ())] > 0
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         assert process.stdout.read() == ""

@@ -191,10 +191,11 @@ def test_seeded_determinism():
 class TinyPair:
     """Target p and draft top-k logits after short continuations of one prompt, memoised."""
 
-    def __init__(self, target_dir, draft_dir):
+    def __init__(self, target_dir, draft_dir, prompt: list[int] | None = None):
         self._target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         self._draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
-        self.prompt = HFTokenizer(target_dir).apply_chat_template([{"role": "user", "content": "def add(a, b):"}])
+        chat = [{"role": "user", "content": "def add(a, b):"}]
+        self.prompt = HFTokenizer(target_dir).apply_chat_template(chat) if prompt is None else prompt
         self._target_logits: dict[tuple[int, ...], torch.Tensor] = {}
         self._target_p: dict[tuple[int, ...], torch.Tensor] = {}
         self._draft_top_k: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}

@@ -181,20 +181,22 @@ class RoundTiming(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "token_ids", "finish_reason", "num_generated", "advised_draft_tokens", "timing")
+    __slots__ = ("accepted_nodes", "token_ids", "finish_reason", "num_generated", "advised_draft_tokens", "timing", "num_verified_nodes")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     ADVISED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFIED_NODES_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     num_generated: int
     advised_draft_tokens: int
     timing: RoundTiming
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_generated: _Optional[int] = ..., advised_draft_tokens: _Optional[int] = ..., timing: _Optional[_Union[RoundTiming, _Mapping]] = ...) -> None: ...
+    num_verified_nodes: int
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_generated: _Optional[int] = ..., advised_draft_tokens: _Optional[int] = ..., timing: _Optional[_Union[RoundTiming, _Mapping]] = ..., num_verified_nodes: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
