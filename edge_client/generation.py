@@ -219,10 +219,12 @@ class Generation:
 
     async def _draft_tree(self, worker: DraftWorker, context: list[int]):
         budget = self.config.tree
-        if self.config.follow_advice and self._advised == 0:
+        # The advice follows this session's share of the server's step: nodes past it would be cut.
+        max_nodes = min(self._max_draft_nodes, self._advised) if self.config.follow_advice else self._max_draft_nodes
+        if max_nodes == 0:
             budget = None
-        elif budget.max_nodes > self._max_draft_nodes:
-            budget = dataclasses.replace(budget, max_nodes=self._max_draft_nodes)
+        elif budget.max_nodes > max_nodes:
+            budget = dataclasses.replace(budget, max_nodes=max_nodes)
         if budget is None:
             return DraftTree((), (), ())
         return await worker.run(self.drafter.propose_tree, context, budget, self.config.draft_p_min)
@@ -231,6 +233,8 @@ class Generation:
         self.stats.rounds += 1
         self.stats.draft_tokens += len(request.draft_token_ids)
         self.stats.accepted_tokens += len(reply.accepted_nodes)
+        num_drafted = len(request.draft_token_ids)
+        self.stats.cut_nodes += num_drafted - wire.verified_nodes_from_proto(reply, num_drafted)
         self._advised = reply.advised_draft_tokens
         self._commit(reply.token_ids, wire.finish_from_proto(reply.finish_reason))
 

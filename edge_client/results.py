@@ -12,6 +12,7 @@ class GenerationStats:
     rounds: int = 0  # verify rounds (each one target forward)
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    cut_nodes: int = 0  # draft nodes the server did not verify: past the round's share of its step
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     num_tokens: int = 0

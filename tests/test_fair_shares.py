@@ -12,6 +12,9 @@ from harness import ServerThread
 from raw_edge import PROMPT, Edge
 from reference import greedy_decode
 from specedge import wire
+from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.drafting.base import TreeBudget
+from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.scheduler import BatcherConfig
 from specedge.server.app import ServerConfig
@@ -160,3 +163,67 @@ def test_cut_sampled_chains_follow_the_targets_joint(tiny_target_dir, tiny_draft
     p_value = chi_square_p_value(counts, joint, NUM_TRIALS)
     worst = sorted(joint, key=lambda k: -abs(counts[k] - joint[k] * NUM_TRIALS))[:3]
     assert p_value > MIN_P_VALUE, [(k, counts[k], round(joint[k] * NUM_TRIALS)) for k in worst]
+
+
+# --- the edges follow the advice, so a well-behaved edge is never cut ----------------------------
+
+
+def generate_within_advice(server, tokenizer, prompt, drafter, **config):
+    async def run():
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
+            return await client.generate(prompt, drafter)
+
+    return asyncio.run(run())
+
+
+def assert_drafted_within_advice(result, server, step: int) -> None:
+    assert result.stats.rounds > 0 and result.stats.draft_tokens > 0
+    assert result.stats.draft_tokens <= (step - 1) * result.stats.rounds  # the advice, not num_draft
+    assert result.stats.cut_nodes == 0  # so nothing it sent was cut...
+    assert server.server.stats.num_cut_nodes == 0  # ...as the server counts too
+
+
+@pytest.mark.parametrize("tree", [None, TreeBudget(max_depth=6, max_width=2, max_nodes=12)], ids=["chain", "tree"])
+def test_the_torch_edge_drafts_within_the_advice(tiny_target_dir, tiny_draft_dir, reference_model, tree):
+    step = 4
+    tokenizer = HFTokenizer(tiny_draft_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}])
+    expected = greedy_decode(reference_model, prompt, MAX_NEW, set(tokenizer.eos_token_ids))
+    drafter = TorchDrafter(tiny_draft_dir)
+    try:
+        with fair_server(tiny_target_dir, step) as server:
+            result = generate_within_advice(
+                server, tokenizer, prompt, drafter, num_draft=12, tree=tree, max_new_tokens=MAX_NEW
+            )
+            assert result.token_ids == expected
+            assert_drafted_within_advice(result, server, step)
+    finally:
+        drafter.close()
+
+
+@pytest.mark.real_model
+def test_the_llama_cpp_edge_drafts_within_the_advice():
+    """SmolLM2-135M serves as the target (torch) and drafts for itself (llama.cpp, the same GGUF)."""
+    from specedge.edge_client.drafting import load_drafter
+    from specedge.edge_client.tokenizer import load_tokenizer
+    from specedge.registry import resolve
+
+    try:
+        resolved = resolve("smollm2-135m")
+    except Exception as exc:  # the model ships in a package that may be missing
+        pytest.skip(f"smollm2-135m not available: {exc}")
+    step = 4
+    tokenizer = load_tokenizer(resolved)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that adds."}])
+    drafter = load_drafter(resolved, n_ctx=512)
+    config = ServerConfig(
+        model="smollm2-135m", port=0, max_context=512, engine=EngineConfig(batcher=BatcherConfig(step_tokens=step))
+    )
+    try:
+        with ServerThread(config) as server:
+            result = generate_within_advice(server, tokenizer, prompt, drafter, num_draft=12, max_new_tokens=24)
+            assert_drafted_within_advice(result, server, step)
+            # A dequantized Q4 target and llama.cpp's own evaluation of it agree often enough to accept drafts.
+            assert result.stats.accepted_tokens > 0
+    finally:
+        drafter.close()
