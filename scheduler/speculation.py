@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,27 +94,38 @@ class StepCostModel:
         same hardware, 8 rows sharing a step:      load = 0.25 / (0.094 + 0.25) = 0.73
     """
 
-    def __init__(self, window: int = 128, min_steps: int = 8):
-        self.window = window
+    def __init__(self, window: int = 128, min_steps: int = 8, ema_weight: float = 0.1):
         self.min_steps = min_steps
-        self._samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.ema_weight = ema_weight
+        # Steps by token count, in powers of two: bucket -> (mean tokens, mean seconds, steps seen). The fit
+        # weighs buckets, not steps: once most steps sit at the budget, a fit over the last N steps alone
+        # would see one token count, and its slope (hence the knee) would drift with noise.
+        self._buckets: dict[int, tuple[float, float, int]] = {}
+        self._num_steps = 0
         self._rows: collections.deque[int] = collections.deque(maxlen=window)
 
     def observe(self, *, batch_tokens: int, batch_rows: int, seconds: float) -> None:
-        self._samples.append((batch_tokens, seconds))
+        if batch_tokens < 1:
+            return
+        bucket = round(math.log2(batch_tokens))
+        tokens, mean_s, count = self._buckets.get(bucket, (0.0, 0.0, 0))
+        weight = max(1.0 / (count + 1), self.ema_weight)  # a plain mean at first, then recent steps count most
+        self._buckets[bucket] = (tokens + weight * (batch_tokens - tokens), mean_s + weight * (seconds - mean_s), count + 1)
+        self._num_steps += 1
         self._rows.append(batch_rows)
 
     def fit(self) -> tuple[float, float] | None:
-        """(a, b) by least squares over the window; None until the token counts vary enough."""
-        if len(self._samples) < self.min_steps:
+        """(a, b) by least squares over the buckets; None until the token counts vary enough."""
+        points = [(tokens, seconds) for tokens, seconds, _ in self._buckets.values()]
+        if self._num_steps < self.min_steps or len(points) < 2:
             return None
-        n = len(self._samples)
-        mean_x = sum(x for x, _ in self._samples) / n
-        mean_y = sum(y for _, y in self._samples) / n
-        var_x = sum((x - mean_x) ** 2 for x, _ in self._samples)
+        n = len(points)
+        mean_x = sum(x for x, _ in points) / n
+        mean_y = sum(y for _, y in points) / n
+        var_x = sum((x - mean_x) ** 2 for x, _ in points)
         if var_x < 1e-9 * n or mean_y <= 0:
             return None
-        b = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var_x)
+        b = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x)
         a = max(0.0, mean_y - b * mean_x)
         return a, b
 

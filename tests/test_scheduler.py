@@ -1,5 +1,7 @@
 """The pure-Python scheduler: slots, the batcher, speculation advice (milliseconds, no torch)."""
 
+import random
+
 import pytest
 
 from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, PrefillChunk, SlotAllocator, slots_within_budget
@@ -181,3 +183,15 @@ def test_the_knee_comes_from_the_measured_cost_curve():
     for tokens in (1, 5, 10, 40, 80):
         model.observe(batch_tokens=tokens, batch_rows=1, seconds=0.2 + 0.01 * tokens)  # a = 0.2, b = 0.01
     assert model.knee_tokens() == 20
+
+
+def test_the_knee_holds_when_most_steps_sit_at_the_budget():
+    """Steps cluster at the budget once it binds; their noise must not drag the fit (and the knee) away."""
+    model = StepCostModel(min_steps=4)
+    for tokens in (1, 4, 16, 64):  # the start-up timing: a = 0.1, b = 0.01 -> knee 10
+        model.observe(batch_tokens=tokens, batch_rows=1, seconds=0.1 + 0.01 * tokens)
+    noise = random.Random(0)
+    for i in range(500):  # then the budget binds: steps of 9-11 tokens, on a busy machine (times +-30%)
+        tokens = 9 + i % 3
+        model.observe(batch_tokens=tokens, batch_rows=4, seconds=(0.1 + 0.01 * tokens) * noise.uniform(0.7, 1.3))
+        assert 7 <= model.knee_tokens() <= 14, i
