@@ -5,6 +5,7 @@
     specedge-bench --target random:qwen2-7b --device cuda --modes ar specedge specedge_proactive
     specedge-bench profile                               # record the real pair's acceptance profile
     specedge-bench engine --out /tmp/engine              # the target's forwards against this machine's limits
+    specedge-bench neighbours --out /tmp/neighbours      # one identity's stream beside a heavy one, fair shares on/off
 
 Every failure ends in one line on stderr and exit status 2.
 """
@@ -21,7 +22,7 @@ from specedge.edge_client.drafting.base import TreeBudget
 
 from .config import DEFAULT_PRICES, EDGE_KINDS, MODES, BenchConfig, Pricing, quick
 
-SUBCOMMANDS = ("run", "profile", "engine")
+SUBCOMMANDS = ("run", "profile", "engine", "neighbours")
 
 
 def _run_parser(sub) -> None:
@@ -105,6 +106,20 @@ def _engine_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def _neighbours_parser(sub) -> None:
+    from .neighbours import SETTINGS, NeighboursConfig
+
+    defaults = NeighboursConfig()
+    p = sub.add_parser("neighbours", help="a stream's latency beside a heavy identity, fair shares on and off")
+    p.add_argument("--target", default=defaults.target, help="server model; random:PRESET for random weights")
+    p.add_argument("--device", default=defaults.device)
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(defaults.settings))
+    p.add_argument("--a-rounds", type=int, default=defaults.a_rounds, help="A's measured rounds, alone and beside B")
+    p.add_argument("--b-alone-s", type=float, default=defaults.b_alone_s, help="seconds B's rate is measured alone")
+    p.add_argument("--long-prompt", type=int, default=defaults.long_prompt_tokens, help="B's long prompt, in tokens")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
@@ -114,6 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _run_parser(sub)
     _profile_parser(sub)
     _engine_parser(sub)
+    _neighbours_parser(sub)
     return parser.parse_args(argv)
 
 
@@ -150,7 +166,7 @@ def _interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = {"run": _run, "profile": _profile, "engine": _engine}[args.command]
+    command = {"run": _run, "profile": _profile, "engine": _engine, "neighbours": _neighbours}[args.command]
     return guarded(lambda: command(args))
 
 
@@ -226,3 +242,17 @@ def _engine(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _neighbours(args: argparse.Namespace) -> int:
+    from .neighbours import NeighboursConfig, run_neighbours, summary, write
+
+    config = NeighboursConfig(
+        target=args.target, device=args.device, settings=tuple(args.settings), a_rounds=args.a_rounds,
+        b_alone_s=args.b_alone_s, long_prompt_tokens=args.long_prompt,
+    )  # fmt: skip
+    results = run_neighbours(config, progress=lambda line: print(line, file=sys.stderr))
+    paths = write(results, args.out)
+    print(summary(results))
+    print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 0
