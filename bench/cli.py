@@ -117,6 +117,7 @@ def _neighbours_parser(sub) -> None:
     p.add_argument("--a-rounds", type=int, default=defaults.a_rounds, help="A's measured rounds, alone and beside B")
     p.add_argument("--b-alone-s", type=float, default=defaults.b_alone_s, help="seconds B's rate is measured alone")
     p.add_argument("--long-prompt", type=int, default=defaults.long_prompt_tokens, help="B's long prompt, in tokens")
+    p.add_argument("--step-tokens", type=int, default=None, help="fair: a fixed step budget (default: the knee)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-results"))
 
 
@@ -249,7 +250,7 @@ def _neighbours(args: argparse.Namespace) -> int:
 
     config = NeighboursConfig(
         target=args.target, device=args.device, settings=tuple(args.settings), a_rounds=args.a_rounds,
-        b_alone_s=args.b_alone_s, long_prompt_tokens=args.long_prompt,
+        b_alone_s=args.b_alone_s, long_prompt_tokens=args.long_prompt, step_tokens=args.step_tokens,
     )  # fmt: skip
     results = run_neighbours(config, progress=lambda line: print(line, file=sys.stderr))
     paths = write(results, args.out)

@@ -56,6 +56,7 @@ class NeighboursConfig:
     b_alone_s: float = 15.0  # how long B's rate is measured alone
     long_prompt_tokens: int = 3000
     prompt_tokens: int = 32  # A's and B's round sessions
+    step_tokens: int | None = None  # fair shares: a fixed step budget (specedge-server --step-tokens); None: the knee
     seed: int = 0
 
     def __post_init__(self):
@@ -281,6 +282,8 @@ def run_neighbours(config: NeighboursConfig, progress: Callable[[str], None] = p
             args = ["--model", config.target, "--device", config.device, "--auth-tokens", str(token_file),
                     "--max-sessions", "8", "--max-sessions-per-identity", "4", "--max-rounds-per-second", "50",
                     *SETTINGS[setting]]  # fmt: skip
+            if setting == "fair" and config.step_tokens is not None:
+                args += ["--step-tokens", str(config.step_tokens)]
             with ServerProcess(args) as server:
                 figures = asyncio.run(_measure(server.address, tokens, fingerprint, config))
                 metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30)
