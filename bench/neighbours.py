@@ -310,7 +310,8 @@ def summary(results: dict) -> str:
         ("A's worst gap alone (ms)", lambda f: f["long_prefill"]["a_worst_gap_alone_ms"]),
         ("A's worst gap during B's prefill (ms)", lambda f: f["long_prefill"]["a_worst_gap_during_ms"]),
         ("step budget (tokens)", lambda f: f"{f['step']['budget_tokens']:.0f}"),
-        ("cost curve a + b * tokens (ms)", lambda f: f"{f['step']['fixed_s'] * 1e3:.1f} + {f['step']['per_token_s'] * 1e3:.2f}"),
+        ("cost curve a + b * tokens (ms)", lambda f: f"{f['step']['fixed_s'] * 1e3:.1f} + "
+                                                     f"{f['step']['per_token_s'] * 1e3:.2f}"),
     ]  # fmt: skip
     lines = ["| | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(str(cell(f)) for f in settings.values()) + " |" for label, cell in rows]

@@ -110,7 +110,9 @@ class StepCostModel:
         bucket = round(math.log2(batch_tokens))
         tokens, mean_s, count = self._buckets.get(bucket, (0.0, 0.0, 0))
         weight = max(1.0 / (count + 1), self.ema_weight)  # a plain mean at first, then recent steps count most
-        self._buckets[bucket] = (tokens + weight * (batch_tokens - tokens), mean_s + weight * (seconds - mean_s), count + 1)
+        tokens += weight * (batch_tokens - tokens)
+        mean_s += weight * (seconds - mean_s)
+        self._buckets[bucket] = (tokens, mean_s, count + 1)
         self._num_steps += 1
         self._rows.append(batch_rows)
 

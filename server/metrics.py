@@ -32,7 +32,7 @@ _COUNTERS = (
     ("engine_steps", "num_steps", "Batched forward steps run by the engine."),
     ("sessions_rejected", "sessions_rejected", "Sessions refused at admission (no free KV slot)."),
     ("requests_failed", "requests_failed", "Requests that failed inside the engine alone (their batch ran without them)."),
-    ("verified_tokens", "num_verified_tokens", "Tokens the target ran for verify rounds: pending tokens and verified nodes."),
+    ("verified_tokens", "num_verified_tokens", "Tokens run for verify rounds: pending tokens and verified nodes."),
     ("cut_draft_nodes", "num_cut_nodes", "Draft nodes not verified because their round exceeded its share of a step."),
 )
 _GAUGES = (
@@ -42,14 +42,14 @@ _GAUGES = (
     ("step_budget_tokens", "step_budget_tokens", "Most tokens one step carries (fair shares: the cost curve's knee)."),
     ("step_cost_fixed_seconds", "step_cost_fixed_s", "Measured step cost curve a + b * tokens: a, in seconds."),
     ("step_cost_per_token_seconds", "step_cost_per_token_s", "Measured step cost curve a + b * tokens: b, in seconds."),
-    ("step_cost_knee_tokens", "step_cost_knee_tokens", "The curve's knee a / b in tokens (0: not measured, or unbounded)."),
+    ("step_cost_knee_tokens", "step_cost_knee_tokens", "The curve's knee a / b in tokens (0: unknown or unbounded)."),
 )
 # (name, snapshot key of a dict label -> count, label, help). By identity: only on a server started
 # with --metrics-per-identity (server/stats.py); otherwise those families are empty.
 _LABELLED_COUNTERS = (
     ("requests_refused", "requests_refused", "reason", "Calls refused by policy, by reason."),
-    ("identity_verified_tokens", "verified_tokens_by_identity", "identity", "Tokens the target ran for an identity's rounds."),
-    ("identity_cut_draft_nodes", "cut_nodes_by_identity", "identity", "Draft nodes of an identity cut to its share of a step."),
+    ("identity_verified_tokens", "verified_tokens_by_identity", "identity", "Tokens run for an identity's rounds."),
+    ("identity_cut_draft_nodes", "cut_nodes_by_identity", "identity", "Draft nodes of an identity cut to its share."),
 )
 _HISTOGRAMS = (
     ("queue_wait_seconds", "queue_wait_s", "Time a request waited in the queue before its batch ran."),
