@@ -27,7 +27,14 @@ Each row also gets its share if it asked for everything (`StepPlan.shares`):
 the speculation advice follows it, so a well-behaved edge never drafts what
 would be cut.
 
-**Arrival order** (`fair_shares=False`, the old planner, for comparison).
+Shares need someone to be fair to: while the sessions open on the server all
+belong to one identity (`open_identities`, kept by the engine) and the budget
+is the measured knee (no fixed `step_tokens`), steps are planned by arrival
+order below, so a lone user's prompt is prefilled in full chunks and its
+rounds are never cut.
+
+**Arrival order** (`fair_shares=False`, the old planner, for comparison; and
+the plan whenever a single identity holds every open session).
 Rounds go first, oldest first, until `max_batch_tokens` or the row budget is
 spent; a single round larger than the budget runs alone, uncut. While a
 prefill waits, `prefill_reserve` tokens and one row of each step are kept for
@@ -115,6 +122,8 @@ class Batcher:
         # The engine's measured step cost, seconds ~ a + b * tokens (scheduler/speculation.py); None: unknown.
         self.curve: tuple[float, float] | None = None
         self._identity_deficits: dict[Hashable, float] = {}
+        # Identities holding open sessions, as the engine counts them; None: unknown (plan fairly).
+        self.open_identities: int | None = None
         self._session_deficits: dict[Hashable, float] = {}
 
     def __len__(self) -> int:
@@ -163,7 +172,9 @@ class Batcher:
 
     def plan_step(self) -> StepPlan:
         """Take the next step's work out of the queue."""
-        plan = self._plan_fair() if self.config.fair_shares else self._plan_by_arrival()
+        # A fixed budget is the operator's cap on every step; the knee's only purpose is sharing.
+        shared = self.config.step_tokens is not None or self.open_identities is None or self.open_identities > 1
+        plan = self._plan_fair() if self.config.fair_shares and shared else self._plan_by_arrival()
         for key in plan.rounds:
             del self._queue[key]
         for chunk in plan.prefills:

@@ -296,6 +296,7 @@ class Engine:
 
     def _update_session_gauges(self) -> None:
         used = self.slots.num_slots - self.slots.num_free
+        self.batcher.open_identities = len({session.owner for session in self.sessions.values()})
         self.stats.set_sessions(active=len(self.sessions), slots_used=used, slots_free=self.slots.num_free)
 
     def _enqueue(self, work: Work, num_tokens: int, start: int = 0) -> _Queued:

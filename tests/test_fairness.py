@@ -190,3 +190,22 @@ def test_a_fixed_budget_overrides_the_curve():
     batcher = fair_batcher(24)
     batcher.curve = (0.2, 0.01)
     assert batcher.step_budget() == 24
+
+
+def test_a_lone_identity_is_planned_by_arrival_full_chunks_and_no_cuts():
+    """With nobody to be fair to, one identity's prompt is prefilled in full chunks and its big rounds run
+    whole; a second identity opening a session brings the budget back (the knee, 32 tokens here)."""
+    batcher = fair_batcher(None, max_batch_tokens=512)
+    batcher.curve = (0.32, 0.01)  # 320 ms + 10 ms a token: the knee is 32 tokens
+    batcher.open_identities = 1
+    batcher.add_prefill("p", 3000, owner="B")
+    assert batcher.plan_step().prefills == [PrefillChunk("p", start=0, num_tokens=512, is_last=False)]
+    batcher.remove("p")
+    for i in range(4):
+        batcher.add_round(f"b{i}", 65, owner="B")
+    plan = batcher.plan_step()
+    assert plan.rounds == ["b0", "b1", "b2", "b3"] and plan.cuts == {}
+    batcher.open_identities = 2
+    for i in range(4):
+        batcher.add_round(f"b{i}", 65, owner="B")
+    assert batcher.plan_step().cuts == {"b0": 8, "b1": 8, "b2": 8, "b3": 8}
