@@ -9,22 +9,26 @@ After a forward, each row needs something from its logits:
 - a sampled chain sent with q: rejection sampling (server/rejection.py), which
   needs p at each draft token and the target's own sample after the last.
 
-One max over all rows' logits gives every argmax (and catches NaN and inf);
-one race gives every sampled token; one log-normaliser pass gives p at every
-draft token. Only a rejected draft's residual looks at a row on its own.
-Nothing here commits tokens or touches KV: server/postprocess.py does.
+One pass over all rows' logits gives every argmax (and catches NaN and inf)
+and every sampled token (compiled on CPU: server/race_kernel.py). A chain
+verified by rejection then needs p only at the drafts its walk reaches: one
+log-normaliser pass per draft depth, over the chains still walking; every
+rejected draft's residual is drawn in one more race. Nothing here commits
+tokens or touches KV: server/postprocess.py does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
 
+from specedge.server import race_kernel
 from specedge.server.isolation import NonFiniteLogits
-from specedge.server.rejection import decide_chain
-from specedge.server.sampling import logit_floors, probs_with_floors, race, row_keys
+from specedge.server.rejection import accepts, residual_tokens
+from specedge.server.sampling import argmax_and_race, logit_floors, row_keys
 from specedge.server.verify import VerifyResult
 from specedge.types import SamplingParams, SparseDist
 
@@ -51,36 +55,20 @@ Drawn = list[int] | VerifyResult | None | Exception
 
 def draw_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> list[Drawn]:
     """logits: [sum of num_logits, V], rows in order. Each row's draws, or NonFiniteLogits for a broken row."""
-    device = logits.device
     starts = [0]
     for row in rows:
         starts.append(starts[-1] + row.num_logits)
-    values, top = logits.max(dim=-1)  # [L]: every argmax; NaN and +inf propagate into the max
-    finite = torch.isfinite(values).tolist()
-
-    # Per packed logit row: T, filters and noise key (greedy rows take no part in the race).
-    sampled_rows = [i for i, row in enumerate(rows) if row.params is not None and not row.params.greedy]
-    winners = top
-    probs_of_drafts: dict[int, list[float]] = {}
-    if sampled_rows:
-        num_logits = logits.shape[0]
-        temperature = torch.ones(num_logits, dtype=torch.float64)
-        top_k, top_p = [0] * num_logits, [1.0] * num_logits
-        keys = torch.zeros(num_logits, dtype=torch.long)
-        racing = torch.zeros(num_logits, dtype=torch.bool)
-        for i in sampled_rows:
-            row, span = rows[i], slice(starts[i], starts[i + 1])
-            temperature[span] = row.params.temperature
-            top_k[span] = [row.params.top_k] * row.num_logits
-            top_p[span] = [row.params.top_p] * row.num_logits
-            keys[span] = row_keys(row.seed, row.positions, keys.device)
-            racing[span] = True
-        temperature, keys, racing = temperature.to(device), keys.to(device), racing.to(device)
-        floors = logit_floors(logits, temperature, top_k, top_p)
-        floors = floors.masked_fill(~racing, float("inf"))  # no candidates: a greedy row keeps its argmax
-        winners = race(logits, temperature, floors, keys, row_max=(values, top))
-        probs_of_drafts = _draft_probs(logits, rows, starts, values, temperature, floors)
-    targets = winners.tolist()
+    setting = _Setting.of(rows, starts, logits)
+    # A chain verified by rejection races only after its last draft (its bonus); its other
+    # positions are decided below, by p at the draft tokens, or a residual.
+    racing = setting.sampled.clone()
+    for i, row in enumerate(rows):
+        if row.by_rejection:
+            racing[starts[i] : starts[i] + len(row.draft_token_ids)] = False
+    top, finite, winners = argmax_and_race(logits, racing, setting.temperature, setting.floors, setting.keys)
+    targets, finite = winners.tolist(), finite.tolist()
+    chains = {i: row for i, row in enumerate(rows) if row.by_rejection and all(finite[starts[i] : starts[i + 1]])}
+    verdicts = _verify_chains(logits, chains, starts, top, targets, setting) if chains else {}
 
     drawn: list[Drawn] = []
     for i, row in enumerate(rows):
@@ -90,51 +78,112 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> list[Drawn]:
         elif row.params is None:
             drawn.append(None)
         elif row.by_rejection:
-            start, n = starts[i], len(row.draft_token_ids)
-            drawn.append(
-                decide_chain(
-                    row.draft_token_ids, row.draft_dists, probs_of_drafts[i], row.positions, row.seed,
-                    target_row=lambda j, start=start: probs_with_floors(
-                        logits[start + j : start + j + 1], temperature[start + j : start + j + 1],
-                        floors[start + j : start + j + 1],
-                    )[0],
-                    bonus=lambda start=start, n=n: targets[start + n],
-                )  # fmt: skip
-            )
+            drawn.append(verdicts[i])
         else:
             drawn.append(targets[span])
     return drawn
 
 
-def _draft_probs(
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """Per packed logit row: whether it samples, and its temperature, logit floor and noise key."""
+
+    sampled: torch.Tensor  # [L] bool
+    temperature: torch.Tensor  # [L] float64 (1 where greedy)
+    floors: torch.Tensor  # [L] float64
+    keys: torch.Tensor  # [L] int64
+
+    @staticmethod
+    def of(rows: Sequence[RowDraw], starts: Sequence[int], logits: torch.Tensor) -> _Setting:
+        num_logits = logits.shape[0]
+        sampled = torch.zeros(num_logits, dtype=torch.bool)
+        temperature = torch.ones(num_logits, dtype=torch.float64)
+        top_k, top_p = [0] * num_logits, [1.0] * num_logits
+        keys = torch.zeros(num_logits, dtype=torch.long)
+        for i, row in enumerate(rows):
+            if row.params is None or row.params.greedy:
+                continue
+            span = slice(starts[i], starts[i + 1])
+            sampled[span] = True
+            temperature[span] = row.params.temperature
+            top_k[span] = [row.params.top_k] * row.num_logits
+            top_p[span] = [row.params.top_p] * row.num_logits
+            keys[span] = row_keys(row.seed, row.positions, keys.device)
+        device = logits.device
+        temperature = temperature.to(device)
+        floors = logit_floors(logits, temperature, top_k, top_p) if bool(sampled.any()) else temperature.new_full((num_logits,), -math.inf)
+        return _Setting(sampled.to(device), temperature, floors, keys.to(device))
+
+
+def _verify_chains(
     logits: torch.Tensor,  # [L, V]
-    rows: Sequence[RowDraw],
+    chains: dict[int, RowDraw],  # row index -> a sampled chain with q
     starts: Sequence[int],
-    values: torch.Tensor,  # [L] each row's max logit
-    temperature: torch.Tensor,  # [L] float64
-    floors: torch.Tensor,  # [L] float64
-) -> dict[int, list[float]]:
-    """p at each draft token of every rejection row, from one log-normaliser pass over just those rows."""
-    chains = [i for i, row in enumerate(rows) if row.by_rejection]
-    if not chains:
-        return {}
-    # Logit row starts[i] + j holds p before draft token j.
-    index = [starts[i] + j for i in chains for j in range(len(rows[i].draft_token_ids))]
-    tokens = [t for i in chains for t in rows[i].draft_token_ids]
+    top: torch.Tensor,  # [L] argmax
+    targets: Sequence[int],  # [L] the race's winner at each bonus position
+    setting: _Setting,
+) -> dict[int, VerifyResult]:
+    """Rejection sampling of every chain, draft by draft: p is computed only at drafts the walk reaches."""
+    values = logits.gather(1, top.to(logits.device)[:, None])[:, 0]  # [L] each row's max logit
+    num_accepted = dict.fromkeys(chains, 0)
+    walking = list(chains)
+    rejected: list[tuple[int, float]] = []  # (row index, log normaliser at its rejected draft)
+    while walking:
+        index = [starts[i] + num_accepted[i] for i in walking]
+        log_norms = _log_norms(logits, index, values, setting)
+        tokens = [chains[i].draft_token_ids[num_accepted[i]] for i in walking]
+        probs = _probs_at(logits, index, tokens, values, log_norms, setting)
+        still = []
+        for i, log_norm, prob in zip(walking, log_norms, probs):
+            row, j = chains[i], num_accepted[i]
+            if not accepts(row.draft_token_ids[j], row.draft_dists[j], prob, row.seed, row.positions[j]):
+                rejected.append((i, log_norm))
+            elif j + 1 < len(row.draft_token_ids):
+                num_accepted[i] += 1
+                still.append(i)
+            else:
+                num_accepted[i] += 1
+        walking = still
+    residuals = residual_tokens(
+        logits, [starts[i] + num_accepted[i] for i, _ in rejected], values, setting.temperature, setting.floors,
+        [log_norm for _, log_norm in rejected], [chains[i].draft_dists[num_accepted[i]] for i, _ in rejected],
+        [chains[i].seed for i, _ in rejected], [chains[i].positions[num_accepted[i]] for i, _ in rejected],
+    )  # fmt: skip
+    next_tokens = {i: targets[starts[i] + num_accepted[i]] for i in chains} | {
+        i: token for (i, _), token in zip(rejected, residuals)
+    }
+    return {i: VerifyResult(tuple(range(1, num_accepted[i] + 1)), next_tokens[i]) for i in chains}
+
+
+def _log_norms(
+    logits: torch.Tensor,  # [L, V]
+    index: Sequence[int],  # [D] rows
+    values: torch.Tensor,  # [L] max logits
+    setting: _Setting,
+) -> list[float]:  # [D] log sum exp((logit - max) / T) over each row's kept tokens
     index_t = torch.tensor(index, device=logits.device)
-    tokens_t = torch.tensor(tokens, device=logits.device)
-    sub = logits.index_select(0, index_t)  # [D, V]
-    # float32, like the dense p the rejection walk falls back to; (logit - max) / T stays finite for any T.
-    scale = temperature[index_t, None].float().clamp_min(torch.finfo(torch.float32).tiny)
-    shifted = (sub.float() - values[index_t, None].float()) / scale
-    shifted = shifted.masked_fill(sub < floors[index_t, None].to(sub.dtype), float("-inf"))
-    log_norm = shifted.logsumexp(dim=-1).double()  # [D]
-    picked = logits[index_t, tokens_t]  # [D]
-    log_p = (picked.double() - values[index_t].double()) / temperature[index_t] - log_norm
-    probs = torch.where(picked.double() >= floors[index_t], log_p.exp(), torch.zeros_like(log_p)).tolist()
-    out, at = {}, 0
-    for i in chains:
-        n = len(rows[i].draft_token_ids)
-        out[i] = probs[at : at + n]
-        at += n
-    return out
+    if race_kernel.covers(logits):
+        return race_kernel.log_norms(
+            logits, index_t, values[index_t], setting.temperature[index_t], setting.floors[index_t]
+        ).tolist()
+    rows = logits[index_t]  # [D, V]
+    scale = setting.temperature[index_t, None].float().clamp_min(torch.finfo(torch.float32).tiny)
+    # (logit - max) / T stays finite for any T > 0, and <= 0: the max's term is 1, nothing overflows.
+    shifted = (rows.float() - values[index_t, None].float()) / scale
+    shifted = shifted.masked_fill(rows < setting.floors[index_t, None].to(rows.dtype), -math.inf)
+    return shifted.logsumexp(dim=-1).tolist()
+
+
+def _probs_at(
+    logits: torch.Tensor,  # [L, V]
+    index: Sequence[int],  # [D] rows
+    tokens: Sequence[int],  # [D] the draft token at each
+    values: torch.Tensor,  # [L]
+    log_norms: Sequence[float],  # [D]
+    setting: _Setting,
+) -> list[float]:  # [D] p(token) of each row
+    index_t = torch.tensor(index, device=logits.device)
+    picked = logits[index_t, torch.tensor(tokens, device=logits.device)]  # [D]
+    scale = setting.temperature[index_t].float().clamp_min(torch.finfo(torch.float32).tiny)
+    log_p = ((picked.float() - values[index_t].float()) / scale).double() - torch.tensor(log_norms, dtype=torch.float64, device=logits.device)
+    return torch.where(picked.double() >= setting.floors[index_t], log_p.exp(), torch.zeros_like(log_p)).tolist()

@@ -21,12 +21,15 @@ most once and a seeded session is reproducible token for token.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specedge import noise
-from specedge.server.sampling import sample_weights
+from specedge.server import race_kernel
+from specedge.server.sampling import probs_with_floors, race, sample_weights
 from specedge.server.verify import VerifyResult
 from specedge.types import SparseDist
 
@@ -34,6 +37,12 @@ from specedge.types import SparseDist
 def acceptance_uniform(seed: int, position: int) -> float:
     """U(0, 1) for accepting the draft at `position`; independent of the target's sampling noise."""
     return noise.uniform(seed, position, noise.ACCEPT_STREAM)
+
+
+def accepts(token: int, dist: SparseDist, target_prob: float, seed: int, position: int) -> bool:
+    """Whether draft `token`, sampled from `dist` at `position`, is accepted given p(token)."""
+    # u < p / q, written without the division: accepted with probability min(1, p / q).
+    return acceptance_uniform(seed, position) * dist.prob_of(token) < target_prob
 
 
 def verify_chain_by_rejection(
@@ -45,44 +54,93 @@ def verify_chain_by_rejection(
 ) -> VerifyResult:
     """Accepted chain nodes (1..m, node i is draft token i-1) and the token after them.
 
+    The dense reference: the server's batched path (server/draws.py) decides alike from logits.
     Raises ValueError for inconsistent inputs, e.g. a draft token that its own
     distribution gives probability 0 (it cannot have been sampled from it).
     """
     _check_inputs(draft_token_ids, draft_dists, target_probs.shape, positions)
-    num_drafts = len(draft_token_ids)
-    rows = torch.arange(num_drafts, device=target_probs.device)  # [n]
-    drafted = torch.tensor(list(draft_token_ids), dtype=torch.long, device=target_probs.device)  # [n]
-    return decide_chain(
-        draft_token_ids, draft_dists, target_probs[rows, drafted].tolist(), positions, seed,
-        target_row=lambda i: target_probs[i],
-        bonus=lambda: sample_weights(target_probs[num_drafts], seed, positions[num_drafts]),
-    )  # fmt: skip
-
-
-def decide_chain(
-    draft_token_ids: Sequence[int],  # [n]
-    draft_dists: Sequence[SparseDist],  # [n]
-    target_draft_probs: Sequence[float],  # [n] p_i(x_i): the target's probability of each draft token
-    positions: Sequence[int],  # [n + 1]
-    seed: int,
-    *,
-    target_row: Callable[[int], torch.Tensor],  # i -> [V] p_i, asked for only at a rejection
-    bonus: Callable[[], int],  # the target's own sample after the last draft, asked for when all are accepted
-) -> VerifyResult:
-    """The accept/reject walk, given p at the draft tokens; the server's batched path and
-    `verify_chain_by_rejection` both run it, so they decide alike."""
     for i, (token, dist) in enumerate(zip(draft_token_ids, draft_dists)):
-        # u < p / q, written without the division: accepted with probability min(1, p / q).
-        if acceptance_uniform(seed, positions[i]) * dist.prob_of(token) < target_draft_probs[i]:
-            continue
-        p_row = target_row(i).double()  # [V]
-        residual = (p_row - _dense(dist, p_row)).clamp_min(0)  # [V]
-        if not residual.sum() > 0:
-            # Only float rounding can reject when p <= q everywhere (e.g. p == q);
-            # then the residual is empty and p itself is the right fallback.
-            residual = p_row
-        return VerifyResult(accepted_nodes=tuple(range(1, i + 1)), next_token=sample_weights(residual, seed, positions[i]))
-    return VerifyResult(accepted_nodes=tuple(range(1, len(draft_token_ids) + 1)), next_token=bonus())
+        if not accepts(token, dist, float(target_probs[i, token]), seed, positions[i]):
+            next_token = residual_token(target_probs[i], dist, seed, positions[i])
+            return VerifyResult(accepted_nodes=tuple(range(1, i + 1)), next_token=next_token)
+    num_drafts = len(draft_token_ids)
+    bonus = sample_weights(target_probs[num_drafts], seed, positions[num_drafts])
+    return VerifyResult(accepted_nodes=tuple(range(1, num_drafts + 1)), next_token=bonus)
+
+
+def residual_token(p_row: torch.Tensor, dist: SparseDist, seed: int, position: int) -> int:
+    """The token after a rejection: a sample of normalize(max(p - q, 0)) from [V] p."""
+    p_row = p_row.double()
+    residual = (p_row - _dense(dist, p_row)).clamp_min(0)  # [V]
+    if not residual.sum() > 0:
+        # Only float rounding can reject when p <= q everywhere (e.g. p == q);
+        # then the residual is empty and p itself is the right fallback.
+        residual = p_row
+    return sample_weights(residual, seed, position)
+
+
+def residual_tokens(
+    logits: torch.Tensor,  # [L, V]
+    rows: Sequence[int],  # [R] the logit row of each rejection: p there is the target's distribution
+    values: torch.Tensor,  # [L] each row's max logit
+    temperature: torch.Tensor,  # [L] float64
+    floors: torch.Tensor,  # [L] float64
+    log_norms: Sequence[float],  # [R] log sum exp((logit - max) / T) over the kept tokens of each row
+    dists: Sequence[SparseDist],  # [R] the q each rejected draft was sampled from
+    seeds: Sequence[int],  # [R]
+    positions: Sequence[int],  # [R]
+) -> list[int]:
+    """`residual_token` for many rejections at once, from logits rather than dense p.
+
+    Off q's support the residual is p itself, so its race is the row's own race; only the
+    tokens of q get new weights, log(max(p - q, 0)), on the same (logit - max) / T scale.
+    """
+    if not rows:
+        return []
+    index = torch.tensor(list(rows), device=logits.device)
+    keys = torch.tensor([noise.row_key(s, p, noise.TARGET_STREAM) for s, p in zip(seeds, positions)])
+    if not race_kernel.covers(logits):
+        p_rows = probs_with_floors(logits[index], temperature[index], floors[index])  # [R, V]
+        return [residual_token(p, d, s, pos) for p, d, s, pos in zip(p_rows, dists, seeds, positions)]
+    temperature, floors = temperature[index], floors[index]
+    log_norms_t = torch.tensor(list(log_norms), dtype=torch.float64)
+    top_logit = values[index].double()  # [R]
+    overrides = _residual_weights(logits, index, top_logit, temperature, floors, log_norms_t, dists)
+    # A token whose p is below float32's smallest (2**-149) is 0, as in a dense float32 p.
+    kept = torch.maximum(floors, top_logit + temperature * (log_norms_t + _LOG_SMALLEST_P))
+    racing = np.ones(len(rows), np.bool_)
+    tokens = race_kernel.argmax_and_race(logits, index, racing, temperature, kept, keys, overrides)[2]
+    empty = (tokens == race_kernel.NO_TOKEN).nonzero().squeeze(1)
+    if len(empty):  # p <= q everywhere: p itself, i.e. the row's own race (as in residual_token)
+        tokens[empty] = race(logits[index[empty]], temperature[empty], floors[empty], keys[empty])
+    return tokens.tolist()
+
+
+_LOG_SMALLEST_P = math.log(2.0**-149)
+
+
+def _residual_weights(
+    logits: torch.Tensor,  # [L, V] float32
+    index: torch.Tensor,  # [R] rows
+    top_logit: torch.Tensor,  # [R] float64
+    temperature: torch.Tensor,  # [R] float64
+    floors: torch.Tensor,  # [R] float64
+    log_norms: torch.Tensor,  # [R] float64
+    dists: Sequence[SparseDist],  # [R]
+) -> race_kernel.Overrides:
+    """log(max(p - q, 0)) + log_norm on q's support: the residual's weights on the race's scale."""
+    sizes = [len(d.token_ids) for d in dists]
+    row = torch.repeat_interleave(torch.arange(len(dists)), torch.tensor(sizes))  # [K]
+    token_ids = torch.tensor([t for d in dists for t in d.token_ids])  # [K]
+    q = torch.cat([torch.tensor(d.probs, dtype=torch.float64) / sum(d.probs) for d in dists])  # [K]
+    picked = logits[index[row], token_ids]  # [K] float32
+    scale = temperature[row].float().clamp_min(torch.finfo(torch.float32).tiny)
+    log_p = ((picked - top_logit[row].float()) / scale).double() - log_norms[row]
+    p = torch.where(picked >= floors[row].float(), log_p.exp(), torch.zeros_like(log_p))
+    residual = p - q
+    log_weights = torch.where(residual > 0, residual.log() + log_norms[row], -math.inf)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return race_kernel.Overrides(starts, token_ids.numpy(), log_weights.float().numpy())
 
 
 def _dense(dist: SparseDist, like: torch.Tensor) -> torch.Tensor:

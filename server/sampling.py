@@ -28,9 +28,11 @@ import functools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specedge import noise
+from specedge.server import race_kernel
 from specedge.types import SamplingParams
 
 # Top-p's boundary is looked for among this many most likely tokens first; a
@@ -143,14 +145,47 @@ def probs_with_floors(
     return scaled.softmax(dim=-1)
 
 
+def argmax_and_race(
+    logits: torch.Tensor,  # [N, V]
+    racing: torch.Tensor,  # [N] bool: rows that sample; the others take their argmax
+    temperature: torch.Tensor,  # [N] float64 > 0
+    floors: torch.Tensor,  # [N] float64
+    keys: torch.Tensor,  # [N] int64 noise keys
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [N] argmax, [N] bool max is finite, [N] draw
+    """Every row's argmax and every racing row's sample, in one pass over the logits where compiled."""
+    if race_kernel.covers(logits):
+        return race_kernel.argmax_and_race(logits, None, racing.numpy(), temperature, floors, keys)
+    values, top = logits.max(dim=-1)  # [N]: NaN and +inf propagate into the max
+    finite = torch.isfinite(values)
+    if not bool(racing.any()):
+        return top, finite, top
+    # A row out of the race has no candidates (floor +inf) and keeps its argmax.
+    floors = floors.masked_fill(~racing.to(floors.device), math.inf)
+    return top, finite, _race_eager(logits, temperature, floors, keys, (values, top))
+
+
 def race(
     logits: torch.Tensor,  # [N, V] float logits, or log-weights (-inf: excluded)
     temperature: torch.Tensor,  # [N] float64 > 0: score = (logit - max) / T + noise
     floors: torch.Tensor,  # [N] float64: tokens below the floor are excluded
     keys: torch.Tensor,  # [N] int64 noise keys
-    row_max: tuple[torch.Tensor, torch.Tensor] | None = None,  # logits.max(-1), when already known
 ) -> torch.Tensor:  # [N] int64: each row's winner, ties to the lowest token id
-    """The exponential race on every row at once, computing noise only where it can matter.
+    """The exponential race on every row at once: compiled (server/race_kernel.py) for float32
+    logits on CPU, else in torch ops. Both compute the same scores and pick the same winner."""
+    if race_kernel.covers(logits):
+        racing = np.ones(logits.shape[0], np.bool_)
+        return race_kernel.argmax_and_race(logits, None, racing, temperature, floors, keys)[2]
+    return _race_eager(logits, temperature, floors, keys)
+
+
+def _race_eager(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N] float64 > 0
+    floors: torch.Tensor,  # [N] float64
+    keys: torch.Tensor,  # [N] int64
+    row_max: tuple[torch.Tensor, torch.Tensor] | None = None,  # logits.max(-1), when already known
+) -> torch.Tensor:  # [N] int64
+    """The race in torch ops, computing noise only where it can matter.
 
     A row with few tokens in reach of its argmax scores just those (gathered); a flat row
     (high temperature) scores every token in place, which beats gathering most of them.
@@ -228,7 +263,9 @@ def sample(
 
 def sample_weights(weights: torch.Tensor, seed: int, position: int) -> int:
     """A token drawn from unnormalised [V] `weights` with the same noise `sample` uses at `position`."""
-    log_weights = weights.double().log()[None]  # [1, V]; zero weights -> -inf, never drawn
+    # [1, V]; zero weights -> -inf, never drawn. float32 scores either way (see `race`), so float32
+    # log-weights draw the same token, and take the compiled race.
+    log_weights = weights.double().log().float()[None]
     one = torch.ones(1, dtype=torch.float64, device=weights.device)
     floors = torch.full((1,), _NO_FLOOR, dtype=torch.float64, device=weights.device)
     return int(race(log_weights, one, floors, row_keys(seed, [position], weights.device))[0])

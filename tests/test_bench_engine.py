@@ -56,8 +56,9 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         "GEMM peak": results["limits"]["gemm"]["peak_gflop_s"],
         "weight bytes": results["model"]["weight_bytes"],
         "HF ms per token": results["hf"].get("ms_per_token"),
-        "host fraction in the race": results["host"].get("fraction_within_race_bound"),
-        **{f"host {kind}": results["host"].get(kind, {}).get("ms") for kind in ("greedy", "sampled", "rejection")},
+        "host fraction in the race": results["host"]["flat"].get("fraction_within_race_bound"),
+        **{f"host {case} {kind}": results["host"][case].get(kind, {}).get("ms")
+           for case in ("flat", "peaked") for kind in ("greedy", "sampled", "rejection")},  # fmt: skip
         **{f"roofline {name}": results["roofline"].get(name, {}).get("ms") for name in DEFAULT_STEPS},
     }
     for path in PATHS:
@@ -80,6 +81,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     header = "| step | tokens | eager ms | onednn ms | roofline ms | eager/roofline | onednn/roofline | speed-up |"
     assert header in table
     assert "| M | eager ms | onednn ms | inductor ms | best / floor |" in table
+    assert "| draws | flat ms | peaked ms |" in table
     rows = [line for line in table.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))]
     assert len(rows) == len(DEFAULT_STEPS) and all("| - |" not in row for row in rows), rows
 

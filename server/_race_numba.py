@@ -1,0 +1,188 @@
+"""The compiled loops behind server/race_kernel.py (imported only where numba is installed).
+
+Loops index with np.uintp so that numba drops negative-index wraparound and LLVM
+vectorizes them; uint32 casts keep the hash in 32-bit lanes, as
+specedge/noise.py's MASK32 does for Python ints.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from specedge import noise
+from specedge.server.race_kernel import BOUND_SLACK, LN2, NO_TOKEN
+
+_MIX = np.uint32(noise.MIX_MULTIPLIER)
+_SHIFT = np.uint32(32 - noise.UNIFORM_BITS)
+_ONE = np.uint32(1 << noise.UNIFORM_BITS)  # y = _ONE - token_uniform(bits), in [1, 2**23]
+_U_SCALE = np.float32(2.0**-noise.UNIFORM_BITS)
+# Rows are read in blocks: the argmax keeps each block's max, and the race skips a block whose
+# max is out of reach and updates its bound between blocks.
+_BLOCK = 256
+_KEY_MAGNITUDE = np.int32(0x7FFFFFFF)
+_KEY_INF = np.int32(0x7F800000)  # the ordered key of +inf; -_KEY_INF is -inf's, NaNs lie beyond both
+
+
+def set_threads(num_threads: int) -> None:
+    numba.set_num_threads(max(1, min(num_threads, numba.config.NUMBA_NUM_THREADS)))
+
+
+@njit(inline="always")
+def _mix32(x):
+    x = np.uint32(np.uint32((x >> np.uint32(16)) ^ x) * _MIX)
+    x = np.uint32(np.uint32((x >> np.uint32(16)) ^ x) * _MIX)
+    return np.uint32((x >> np.uint32(16)) ^ x)
+
+
+@njit(inline="always")
+def _uniform_top(key, token_hash):
+    """noise.token_uniform(noise.token_bits(key, token)) from the token's tabulated hash."""
+    return np.uint32(_mix32(np.uint32(key ^ token_hash)) >> _SHIFT)
+
+
+@njit(inline="always")
+def _gumbel(key, token_hash):
+    """Float32 -log(-log u), u = (top + 0.5) / 2**23: sampling.gumbel's arithmetic."""
+    u = (np.float32(_uniform_top(key, token_hash)) + np.float32(0.5)) * _U_SCALE
+    return -np.float32(math.log(-np.float32(math.log(u))))
+
+
+@njit(inline="always")
+def _ordered(bits):
+    """An int32 that orders float32 bits as the floats are ordered (-0.0 and 0.0 alike)."""
+    sign = bits >> np.int32(31)
+    return np.int32(((bits & _KEY_MAGNITUDE) ^ sign) - sign)
+
+
+@njit
+def _argmax(bits, block_max_bits):
+    """(first index of the max, max finite) of a float32 row read as int32 bits [V]; fills
+    block_max_bits [ceil(V / _BLOCK)] with the bits of each block's max (NaN's beyond +inf)."""
+    num_tokens = bits.shape[0]
+    best, lowest, best_block = np.int32(-_KEY_MAGNITUDE), np.int32(_KEY_MAGNITUDE), 0
+    for start in range(0, num_tokens, _BLOCK):
+        block_max, block_min = np.int32(-_KEY_MAGNITUDE), np.int32(_KEY_MAGNITUDE)
+        for j in range(start, min(start + _BLOCK, num_tokens)):
+            key = _ordered(bits[np.uintp(j)])
+            block_max, block_min = max(block_max, key), min(block_min, key)
+        block_max_bits[start // _BLOCK] = _ordered(block_max)  # the map is its own inverse
+        lowest = min(lowest, block_min)
+        if block_max > best:
+            best, best_block = block_max, start
+    top = best_block
+    while _ordered(bits[np.uintp(top)]) != best:
+        top += 1
+    # NaN beyond +inf or below -inf, or a max of +inf or -inf: not finite.
+    return top, best < _KEY_INF and lowest >= -_KEY_INF and best != -_KEY_INF
+
+
+@njit(inline="always")
+def _log_weight(token, logit, top_logit, temperature, override_ids, override_weights):
+    for k in range(override_ids.shape[0]):
+        if override_ids[k] == token:
+            return override_weights[k]
+    return np.float32(logit - top_logit) / temperature
+
+
+@njit
+def _race(row, top, block_max, temperature, floor, key, token_hash, override_ids, override_weights):
+    """The winner of the race on one row [V] whose argmax is `top` (block maxima [V / _BLOCK]), or NO_TOKEN."""
+    num_tokens = row.shape[0]
+    top_logit = row[top]
+    best, winner = -np.inf, NO_TOKEN
+    score = _log_weight(top, top_logit, top_logit, temperature, override_ids, override_weights)
+    score += _gumbel(key, token_hash[top])
+    if score > -np.inf:
+        best, winner = score, top
+    # t = 24 - (best - a) / ln 2, a = (logit - max) / T: a token can reach `best` only if e(y) <= t.
+    scale = np.float32(1.0 / LN2) / temperature
+    for start in range(0, num_tokens, _BLOCK):
+        stop = min(start + _BLOCK, num_tokens)
+        offset = np.float32(24.0 + BOUND_SLACK - best / LN2)
+        highest = block_max[start // _BLOCK]
+        if not (highest >= floor and (highest - top_logit) * scale + offset >= np.float32(0.0)):
+            continue  # no token of the block is within reach
+        candidates = False
+        for j in range(start, stop):
+            logit = row[np.uintp(j)]
+            t = (logit - top_logit) * scale + offset
+            t = min(t if t > np.float32(-1.0) else np.float32(-1.0), np.float32(23.0))  # NaN -> -1
+            y = np.uint32(_ONE - _uniform_top(key, token_hash[np.uintp(j)]))
+            candidates |= (logit >= floor) & (np.uint32(y >> (np.uint32(np.int32(t + np.float32(1.0))) & np.uint32(31))) == 0)
+        if not candidates:
+            continue
+        for j in range(start, stop):
+            logit = row[j]
+            if not logit >= floor or j == top:
+                continue
+            t = (logit - top_logit) * scale + offset
+            if not t >= 0.0:
+                continue
+            y = np.uint32(_ONE - _uniform_top(key, token_hash[j]))
+            if np.uint32(y >> np.uint32(np.int32(min(t, np.float32(23.0)) + np.float32(1.0)))) != 0:
+                continue
+            score = _log_weight(j, logit, top_logit, temperature, override_ids, override_weights)
+            score += _gumbel(key, token_hash[j])
+            if score > best or (score == best and score > -np.inf and j < winner):
+                best, winner = score, j
+    return winner
+
+
+@njit(parallel=True, cache=True)
+def argmax_and_race(
+    logits, rows, racing, temperature, floors, keys, token_hash, override_starts, override_ids, override_weights,
+    top, finite, winners,
+):  # fmt: skip
+    num_blocks = (logits.shape[1] + _BLOCK - 1) // _BLOCK
+    for r in prange(rows.shape[0]):
+        row = logits[rows[r]]
+        block_max = np.empty(num_blocks, np.float32)
+        top[r], finite[r] = _argmax(row.view(np.int32), block_max.view(np.int32))
+        winners[r] = top[r]
+        if racing[r]:
+            ids = override_ids[override_starts[r] : override_starts[r + 1]]
+            weights = override_weights[override_starts[r] : override_starts[r + 1]]
+            winners[r] = _race(row, top[r], block_max, temperature[r], floors[r], keys[r], token_hash, ids, weights)
+
+
+# exp((logit - max) / T) below e**-64 adds nothing a float64 sum of <= 2**18 terms >= 1 can hold.
+_NEGLIGIBLE = np.float32(-64.0)
+
+
+@njit(parallel=True, cache=True)
+def log_norms(logits, rows, values, temperature, floors, out):
+    """out[r] = log sum exp((logit - max) / T) over the tokens of row rows[r] with logit >= floor."""
+    num_tokens = logits.shape[1]
+    for r in prange(rows.shape[0]):
+        row = logits[rows[r]]
+        top_logit, floor = values[r], floors[r]
+        lowest = max(floor, top_logit + _NEGLIGIBLE * temperature[r])
+        total = 0.0
+        for start in range(0, num_tokens, _BLOCK):
+            stop = min(start + _BLOCK, num_tokens)
+            highest = row[start]
+            for j in range(start, stop):
+                highest = max(highest, row[np.uintp(j)])
+            if not highest >= lowest:
+                continue
+            for j in range(start, stop):
+                logit = row[j]
+                if logit >= lowest:
+                    total += math.exp(np.float32(logit - top_logit) / temperature[r])
+        out[r] = math.log(total)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) on a tiny input, so a failure shows before the first step."""
+    logits = np.zeros((1, 8), np.float32)
+    one = np.ones(1, np.float32)
+    table = noise.token_hash(np.arange(8, dtype=np.int64)).astype(np.uint32)
+    out = np.zeros(1, np.int64)
+    argmax_and_race(logits, out, np.ones(1, np.bool_), one, -np.inf * one, np.zeros(1, np.uint32), table,
+                    np.zeros(2, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), out.copy(),
+                    np.zeros(1, np.bool_), out.copy())  # fmt: skip
+    log_norms(logits, out, one, one, -np.inf * one, np.zeros(1))

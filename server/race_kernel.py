@@ -1,0 +1,134 @@
+"""The argmax and the exponential race as one compiled pass per row: numba, float32 logits on CPU.
+
+server/sampling.py's eager race is torch ops over whole tensors, so on CPU every
+step of it (hash, uniform, Gumbel, score, mask, argmax) is another pass over
+[rows, vocab] memory. Here each row is read once from memory for its argmax
+and raced while it is still in cache, and the noise of a token is hashed only
+when its logit is within the race's reach, and turned into a Gumbel value
+(two logs) only when even an upper bound on that value could win:
+
+    G = -log(-log u) <= -log(1 - u) = 23 ln 2 - ln(y - 1/2) <= (24 - e) ln 2,
+    y = 2**23 - token_uniform(bits) in [1, 2**23], e = floor(log2 y)
+
+so a token can reach the best score S found so far only if e <= 24 - (S - a) / ln 2,
+a = (logit - max) / T: one variable shift of y. A flat row scores a few
+dozen tokens exactly, not 150k.
+
+Same bits, same scores, same winner as the eager race: the hash is
+specedge/noise.py's integer arithmetic in uint32 lanes, the exact score is
+(logit - max) / T + -log(-log u) in float32, and ties go to the lowest token
+id. (Only a score tie within the last bit of a float32 log could differ: the
+eager path's log is SLEEF's, this one libm's.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import numpy as np
+import torch
+
+from specedge import noise
+
+log = logging.getLogger(__name__)
+
+NO_TOKEN = -1  # a race in which no token has a finite score (every weight overridden to zero)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    """Per raced row, tokens whose log-weight replaces (logit - max) / T (-inf: excluded), in CSR form.
+
+    Row r's tokens are token_ids[starts[r]:starts[r + 1]]. A replacement may only lower a
+    weight, never raise it: the race's bounds come from the logits.
+    """
+
+    starts: np.ndarray  # [R + 1] int64
+    token_ids: np.ndarray  # [K] int64
+    log_weights: np.ndarray  # [K] float32
+
+    @staticmethod
+    def none(num_rows: int) -> Overrides:
+        return Overrides(np.zeros(num_rows + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
+
+
+@functools.cache
+def kernel():
+    """The compiled kernel, or None (after one log line) where numba is missing or fails to compile."""
+    try:
+        from specedge.server import _race_numba
+    except ImportError as error:
+        log.warning("numba unavailable (%s): sampling runs on torch's eager race", error)
+        return None
+    try:
+        _race_numba.warm_up()
+    except Exception as error:  # noqa: BLE001 - any compiler failure means: use the eager path
+        log.warning("numba could not compile the race kernel (%s): sampling runs on torch's eager race", error)
+        return None
+    return _race_numba
+
+
+def covers(logits: torch.Tensor) -> bool:
+    """Whether the compiled kernel takes these logits (float32 on CPU); others race eagerly."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and kernel() is not None
+
+
+def argmax_and_race(
+    logits: torch.Tensor,  # [L, V] float32 on CPU
+    rows: torch.Tensor | None,  # [R] int64 logit rows to draw from; None: all L
+    racing: np.ndarray,  # [R] bool: race this row (else its draw is the argmax)
+    temperature: torch.Tensor,  # [R] float64 > 0
+    floors: torch.Tensor,  # [R] float64: tokens with logit < floor are excluded
+    keys: torch.Tensor,  # [R] int64 noise keys (< 2**32)
+    overrides: Overrides | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [R] int64 argmax, [R] bool finite, [R] int64 draw
+    """Each row's argmax (ties to the lowest id), whether its max is finite (no NaN, no +-inf max),
+    and its draw: the race's winner where racing, else the argmax; NO_TOKEN where nothing could win."""
+    compiled = kernel()
+    values = logits.detach().contiguous().numpy()
+    row_index = np.arange(values.shape[0], dtype=np.int64) if rows is None else rows.numpy().astype(np.int64)
+    num_rows = len(row_index)
+    overrides = overrides or Overrides.none(num_rows)
+    top = np.empty(num_rows, np.int64)
+    finite = np.empty(num_rows, np.bool_)
+    winners = np.empty(num_rows, np.int64)
+    compiled.set_threads(torch.get_num_threads())
+    compiled.argmax_and_race(
+        values, row_index, np.ascontiguousarray(racing, np.bool_),
+        temperature.float().clamp_min(torch.finfo(torch.float32).tiny).numpy(),
+        floors.float().numpy(), keys.numpy().astype(np.uint32), _token_hash_table(values.shape[1]),
+        overrides.starts, overrides.token_ids, overrides.log_weights, top, finite, winners,
+    )  # fmt: skip
+    return torch.from_numpy(top), torch.from_numpy(finite), torch.from_numpy(winners)
+
+
+def log_norms(
+    logits: torch.Tensor,  # [L, V] float32 on CPU
+    rows: torch.Tensor,  # [R] int64
+    values: torch.Tensor,  # [R] each row's max logit
+    temperature: torch.Tensor,  # [R] float64 > 0
+    floors: torch.Tensor,  # [R] float64
+) -> torch.Tensor:  # [R] float64: log sum exp((logit - max) / T) over the tokens with logit >= floor
+    """The log-normaliser of p at each row, skipping the tokens whose weight a float64 sum cannot see."""
+    compiled = kernel()
+    out = np.empty(len(rows), np.float64)
+    compiled.set_threads(torch.get_num_threads())
+    compiled.log_norms(
+        logits.detach().contiguous().numpy(), rows.numpy().astype(np.int64), values.float().numpy(),
+        temperature.float().clamp_min(torch.finfo(torch.float32).tiny).numpy(), floors.float().numpy(), out,
+    )  # fmt: skip
+    return torch.from_numpy(out)
+
+
+@functools.lru_cache(maxsize=4)
+def _token_hash_table(vocab_size: int) -> np.ndarray:
+    """[V] uint32 noise.token_hash of every token id, hashed once per vocabulary size."""
+    return noise.token_hash(np.arange(vocab_size, dtype=np.int64)).astype(np.uint32)
+
+
+# The bound's slack, in units of e (ln 2 of score): float32 rounding of a score is ~1e-5 of it.
+BOUND_SLACK = 1 / 64
+LN2 = math.log(2.0)

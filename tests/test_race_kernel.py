@@ -1,0 +1,162 @@
+"""The compiled race (server/race_kernel.py) against the definition and the eager race it replaces on CPU."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from specedge import noise
+from specedge.server import race_kernel
+from specedge.server.draws import RowDraw, draw_rows
+from specedge.server.rejection import residual_token, residual_tokens
+from specedge.server.sampling import _race_eager, gumbel, logit_floors, probs_with_floors, row_keys, sample
+from specedge.types import SamplingParams, SparseDist
+
+pytestmark = pytest.mark.skipif(race_kernel.kernel() is None, reason="numba is not installed")
+kernel = race_kernel.kernel()
+
+
+def test_the_kernels_noise_is_the_definitions_bits():
+    """The kernel hashes through its token-hash table in uint32 lanes: the same bits as Python ints."""
+    rng = np.random.default_rng(0)
+    keys = [noise.row_key(int(s), int(p), noise.TARGET_STREAM) for s, p in rng.integers(0, 2**62, (64, 2))]
+    tokens = rng.integers(0, 151_936, 64).tolist() + [0, 151_935]
+    table = race_kernel._token_hash_table(151_936)
+    for key in keys:
+        compiled = [int(kernel._uniform_top(np.uint32(key), table[t])) for t in tokens]
+        assert compiled == [noise.token_uniform(noise.token_bits(key, t)) for t in tokens]
+    key, token_ids = keys[0], torch.tensor(tokens)
+    compiled = torch.tensor([float(kernel._gumbel(np.uint32(key), table[t])) for t in tokens])
+    torch.testing.assert_close(compiled, gumbel(torch.full_like(token_ids, key), token_ids), rtol=1e-6, atol=1e-6)
+
+
+def _race_both(logits, temperature, top_k=0, top_p=1.0, seed=7):
+    """(kernel winners, eager winners) on the same logits, filters and keys."""
+    num_rows = logits.shape[0]
+    temperatures = torch.full((num_rows,), temperature, dtype=torch.float64)
+    top_k = top_k if isinstance(top_k, list) else [top_k] * num_rows
+    top_p = top_p if isinstance(top_p, list) else [top_p] * num_rows
+    floors = logit_floors(logits, temperatures, top_k, top_p)
+    keys = row_keys(seed, range(100, 100 + num_rows), logits.device)
+    racing = np.ones(num_rows, np.bool_)
+    compiled = race_kernel.argmax_and_race(logits, None, racing, temperatures, floors, keys)[2]
+    return compiled.tolist(), _race_eager(logits, temperatures, floors, keys).tolist()
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 20.0, 200.0])  # flat ... peaked
+@pytest.mark.parametrize("temperature", [0.8, 1.0, 1e3])
+def test_same_winners_as_the_eager_race(scale, temperature):
+    logits = torch.randn(96, 6000, generator=torch.Generator().manual_seed(int(scale * 10))) * scale
+    compiled, eager = _race_both(logits, temperature)
+    assert compiled == eager
+    if scale * temperature < 100:  # not so peaked that every row keeps its argmax
+        assert compiled != logits.argmax(-1).tolist()
+
+
+def test_same_winners_under_top_k_and_top_p_floors():
+    logits = torch.randn(120, 3000, generator=torch.Generator().manual_seed(3)) * 4
+    compiled, eager = _race_both(logits, 1.3, top_k=[0, 1, 5, 50, 0, 2999] * 20, top_p=[1.0, 1.0, 1.0, 0.9, 0.3, 0.99] * 20)
+    assert compiled == eager
+    assert [compiled[i] for i in range(1, 120, 6)] == logits[1::6].argmax(-1).tolist()  # top-1 is the argmax
+
+
+def test_tiny_temperature_draws_the_argmax_or_a_token_tied_with_it():
+    logits = torch.randn(32, 2000, generator=torch.Generator().manual_seed(4)) * 5
+    first = logits.argmax(-1).tolist()
+    logits[::2, 1500] = logits[::2].max(dim=-1).values  # even rows: a tie for the max
+    compiled, eager = _race_both(logits, 1e-39)
+    assert compiled == eager
+    assert compiled[1::2] == first[1::2]
+    assert all(c in (1500, f) for c, f in zip(compiled[::2], first[::2]))
+    assert {c == 1500 for c in compiled[::2]} == {True, False}  # the noise picks between the tied two
+    # At T = 1 two tied tokens score by their noise alone: the same one on both paths.
+    flat = torch.zeros(32, 500)
+    compiled, eager = _race_both(flat, 1.0)
+    assert compiled == eager and len(set(compiled)) > 20
+
+
+def test_argmax_and_finiteness_match_torch():
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(5))
+    logits[0, 10], logits[0, 900] = 9.0, 9.0  # tie: the first
+    logits[1, 5] = math.nan
+    logits[2, 7] = math.inf
+    logits[3] = -math.inf
+    logits[4, :500] = -math.inf  # -inf tokens, a finite max
+    logits[5] = 0.0
+    logits[5, :3] = -0.0  # -0.0 == 0.0: the first zero is the argmax
+    logits[6, 999] = -math.nan
+    top, finite, drawn = race_kernel.argmax_and_race(
+        logits, None, np.zeros(8, np.bool_), torch.ones(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64),
+        torch.zeros(8, dtype=torch.long),
+    )  # fmt: skip
+    values, expected = logits.max(dim=-1)
+    assert finite.tolist() == torch.isfinite(values).tolist() == [True, False, False, False, True, True, False, True]
+    assert [t for t, ok in zip(top.tolist(), finite.tolist()) if ok] == expected[finite].tolist()
+    assert drawn.tolist() == top.tolist()  # rows out of the race keep their argmax
+
+
+def test_residuals_from_logits_are_the_dense_residuals():
+    """A rejection's residual, drawn from logits with q's tokens reweighted, equals the dense max(p - q, 0) draw."""
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(40, 5000, generator=generator) * torch.tensor([0.5, 3.0, 30.0, 3.0, 3.0] * 8)[:, None]
+    temperature = torch.full((40,), 0.7, dtype=torch.float64)
+    floors = logit_floors(logits, temperature, [0, 0, 0, 40, 1] * 8, [1.0] * 40)
+    p = probs_with_floors(logits, temperature, floors)  # [40, V]
+    dists = []
+    # q: a perturbed top-8 of p, so p - q > 0 on some of its tokens and not others. (Where p - q is as
+    # small as float32's rounding of a dense p, 6e-8, that rounding decides the dense draw, not p.)
+    for row in range(40):
+        top = p[row].double().topk(8)
+        weights = top.values * torch.rand(8, generator=generator, dtype=torch.float64) * 2 + 0.02
+        dists.append(SparseDist(top.indices.tolist(), (weights / weights.sum()).tolist()))
+    dists[4] = SparseDist([int(logits[4].argmax())], [1.0])  # q = p = one-hot: an empty residual, so p itself
+    values = logits.max(dim=-1).values
+    shifted = (logits - values[:, None]) / temperature[:, None].float()
+    log_norms = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).double().logsumexp(dim=-1).tolist()
+    for seed in range(5):
+        positions = [seed * 100 + row for row in range(40)]
+        fast = residual_tokens(logits, list(range(40)), values, temperature, floors, log_norms, dists, [seed] * 40, positions)
+        dense = [residual_token(p[row], dists[row], seed, positions[row]) for row in range(40)]
+        assert fast == dense
+        assert fast[4] == int(logits[4].argmax())
+
+
+def test_draw_rows_agree_on_the_compiled_and_the_eager_path():
+    """float64 logits take the eager path; the same values in float32 take the kernel."""
+    generator = torch.Generator().manual_seed(8)
+    logits = torch.randn(30, 4000, generator=generator) * torch.tensor([1.0, 8.0, 3.0] * 10)[:, None]  # [L, V]
+    params = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=30, top_p=0.9)]
+    rows = []
+    for i in range(6):
+        start = i * 5
+        probs = (logits[start : start + 4].double() / 0.8).softmax(dim=-1)
+        top = probs.topk(20)
+        dists = tuple(SparseDist(ids.tolist(), (w / w.sum()).tolist()) for w, ids in zip(top.values, top.indices))
+        positions = tuple(range(50 + i, 55 + i))
+        if i % 2:
+            rows.append(RowDraw(5, params[1], i, positions, tuple(d.token_ids[i % 3] for d in dists), dists))
+        else:
+            rows.append(RowDraw(5, params[i % 3], i, positions))
+    compiled, eager = draw_rows(logits, rows), draw_rows(logits.double(), rows)
+    assert compiled == eager
+    assert any(r.accepted_nodes for r in compiled[1::2]) and not all(len(r.accepted_nodes) == 4 for r in compiled[1::2])
+
+
+def test_without_numba_the_eager_race_draws_the_same_tokens_after_one_log_line():
+    script = (
+        "import sys, logging; sys.modules['numba'] = None; logging.basicConfig(format='%(message)s')\n"
+        "import torch; from specedge.server.sampling import sample; from specedge.types import SamplingParams\n"
+        "logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(9)) * 3\n"
+        "for _ in range(2): print(sample(logits, range(6), SamplingParams(temperature=0.9), seed=4))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(9)) * 3
+    expected = str(sample(logits, range(6), SamplingParams(temperature=0.9), seed=4))
+    assert run.stdout.splitlines() == [expected, expected]
+    [line] = run.stderr.splitlines()
+    assert line.startswith("numba unavailable") and "eager race" in line
