@@ -22,7 +22,7 @@ import torch
 
 from specedge.scheduler import PrefillChunk
 from specedge.scheduler.speculation import StepCostModel
-from specedge.server import errors, tree
+from specedge.server import errors, race_kernel, tree
 from specedge.server.draws import Drawn, RowDraw, draw_rows
 from specedge.server.isolation import failure_for_client, run_isolated
 from specedge.server.postprocess import after_prefill, after_round, prefill_draw, round_draw
@@ -163,7 +163,8 @@ class Stepper:
 
     def calibrate(self, max_tokens: int) -> tuple[float, float] | None:
         """Time a few forwards of different sizes (below `max_tokens`) on slot 0, before any session holds
-        it, so the step budget starts from a measured cost curve; the curve."""
+        it, so the step budget starts from a measured cost curve; the curve. On CPU, also make the draws
+        kernel ready."""
         sizes = [n for n in CALIBRATION_TOKENS if n < max_tokens]
         try:
             self.runner.forward_packed([ForwardRequest(0, 0, (0,))])  # warm-up, not timed
@@ -173,6 +174,8 @@ class Stepper:
                 self.cost_model.observe(batch_tokens=num_tokens, batch_rows=1, seconds=time.monotonic() - started)
         except Exception:  # the engine still serves, from the default budget until steps are measured
             log.exception("timing the step cost curve failed")
+        if self.runner.device.type == "cpu":
+            race_kernel.kernel()  # compiled (or loaded from numba's cache) now, not on the first request's step
         return self.cost_model.fit()
 
     def _measure(self, batch_tokens: int, batch_rows: int, seconds: float, *, clean: bool) -> None:
