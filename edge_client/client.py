@@ -18,6 +18,7 @@ import grpc
 from specedge import wire
 from specedge.edge_client.channel import ChannelSecurity, open_channel
 from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, Drafter, TreeBudget
+from specedge.edge_client.rounds import DraftRound, OpenedSession, RoundReply, ServerInfo, StreamedTokens
 from specedge.ratelimit import TokenBucket
 from specedge.tokens import IncompatibleTokenizer, TokenizerFingerprint, check_compatible
 from specedge.types import SamplingParams
@@ -168,7 +169,7 @@ class EdgeClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: specedge_pb2_grpc.SpecEdgeStub | None = None
         self._lease: grpc.aio.UnaryStreamCall | None = None
-        self.server_info: pb.HandshakeResponse | None = None
+        self.server_info: ServerInfo | None = None
         self._rng = random.Random()
         self._left: asyncio.Future | None = None  # with choose_address: resolves to why this server must be left
         self._epoch = 0  # connections made; a failed call names the one it went out on, so answers share a reconnect
@@ -335,35 +336,35 @@ class EdgeClient:
             await asyncio.sleep(delay_s)
         return await self._call(pick, request)
 
-    async def handshake(self) -> pb.HandshakeResponse:
+    async def handshake(self) -> ServerInfo:
         request = pb.HandshakeRequest(
             protocol_version=wire.PROTOCOL_VERSION,
             draft_tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             client_name="specedge-edge",
         )
-        reply = await self._call(lambda stub: stub.Handshake, request, wait_for_ready=False)
+        info = wire.server_info_from_proto(await self._call(lambda stub: stub.Handshake, request, wait_for_ready=False))
         try:  # the server checks too; checking here gives the same answer without trusting it
-            check_compatible(self.fingerprint, wire.fingerprint_from_proto(reply.target_tokenizer))
+            check_compatible(self.fingerprint, info.target_tokenizer)
         except IncompatibleTokenizer as exc:
-            raise EdgeError(f"draft is not compatible with the server's model {reply.model_name}: {exc}") from None
-        self.server_info = reply
-        if reply.limits.max_rounds_per_second > 0:
+            raise EdgeError(f"draft is not compatible with the server's model {info.model_name}: {exc}") from None
+        self.server_info = info
+        if info.limits.max_rounds_per_second > 0:
             # A tenth below the limit, so that jitter in when rounds reach the server never pushes one over.
-            self._pace = TokenBucket(0.9 * reply.limits.max_rounds_per_second, max(1, reply.limits.round_burst))
-        return reply
+            self._pace = TokenBucket(0.9 * info.limits.max_rounds_per_second, max(1, info.limits.round_burst))
+        return info
 
     # -- one method per RPC --------------------------------------------------
 
     async def open_session(
         self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None
-    ) -> pb.OpenSessionResponse:
+    ) -> OpenedSession:
         request = pb.OpenSessionRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             prompt_token_ids=prompt,
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-        return await self._round(lambda stub: stub.OpenSession, request)
+        return wire.opened_from_proto(await self._round(lambda stub: stub.OpenSession, request))
 
     async def continue_session(
         self,
@@ -373,7 +374,7 @@ class EdgeClient:
         max_new_tokens: int,
         sampling: SamplingParams,
         seed: int | None,
-    ) -> pb.OpenSessionResponse:
+    ) -> OpenedSession:
         request = pb.ContinueSessionRequest(
             session_id=session_id,
             keep_tokens=keep_tokens,
@@ -381,10 +382,11 @@ class EdgeClient:
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-        return await self._round(lambda stub: stub.ContinueSession, request)
+        return wire.opened_from_proto(await self._round(lambda stub: stub.ContinueSession, request))
 
-    async def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        return await self._round(lambda stub: stub.Verify, request)
+    async def verify(self, session_id: str, draft: DraftRound) -> RoundReply:
+        request = wire.draft_round_to_proto(session_id, draft)
+        return wire.round_reply_from_proto(await self._round(lambda stub: stub.Verify, request))
 
     async def close_session(self, session_id: str) -> None:
         """Free the server's slot; shielded so that a cancelled generation still frees it."""
@@ -403,7 +405,7 @@ class EdgeClient:
         sampling: SamplingParams,
         seed: int | None,
         server_draft_tokens: int = 0,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncIterator[StreamedTokens]:
         """Server-driven generation, one message per step, each delivered half a round trip after it left."""
         request = pb.GenerateRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),
@@ -424,7 +426,7 @@ class EdgeClient:
             async for reply, arrived in self._timestamped(call, epoch):
                 # Messages pipeline: each is due one way after it arrived, not after the one before.
                 await asyncio.sleep(max(0.0, arrived + self._one_way_s() - time.monotonic()))
-                yield reply
+                yield wire.streamed_from_proto(reply)
         except grpc.aio.AioRpcError as exc:
             raise _explain(exc, self.address, epoch) from None
         except asyncio.CancelledError:

@@ -25,7 +25,6 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from specedge import wire
 from specedge.edge_client.client import (
     ConnectionLost,
     EdgeClient,
@@ -45,8 +44,8 @@ from specedge.edge_client.drafting.base import (
 )
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
 from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
+from specedge.edge_client.rounds import DraftRound, RoundReply
 from specedge.types import FinishReason, SamplingParams
-from specedge.v1 import specedge_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class Generation:
     async def _round(self, worker: DraftWorker, ready: DraftChain | None) -> DraftChain | None:
         """One verify round; returns the next round's chain if it was drafted ahead and came true."""
         context = [*self.prompt, *self.tokens]
-        request, chain = await self._draft(worker, context, ready)
+        draft, chain = await self._draft(worker, context, ready)
         proactive = None
         if chain is not None and chain.token_ids and self.config.proactive:
             proactive = ProactiveRound(worker, self._draft_sampling, self.config.draft_p_min)
@@ -146,7 +145,7 @@ class Generation:
             proactive.start(context, chain, guess_outcomes(chain, self.config.max_guesses), depth)
         sent = time.perf_counter()
         try:
-            reply = await self.client.verify(request)
+            reply = await self.client.verify(self.session_id, draft)
         except BaseException:
             if proactive is not None:
                 await proactive.finish(())  # the drafter must be idle before anything else uses it
@@ -157,13 +156,13 @@ class Generation:
         predraft = None
         if proactive is not None:
             predraft = await proactive.finish(reply.token_ids)
-            if reply.finish_reason != pb.FINISH_REASON_NONE:
+            if reply.finish is not FinishReason.NONE:
                 predraft = None  # no next round to use it in
             elif predraft is not None and not predraft.chain.token_ids:
                 predraft = None  # guessed right, but the reply came before anything was drafted
             self.stats.proactive_rounds += 1
             self.stats.proactive_hits += predraft is not None
-        self._commit_round(request, reply)
+        self._commit_round(draft, reply)
         if self.finish is FinishReason.NONE:  # a finished answer is no fallback, and keeps its session
             self._check_speed(reply)
         if predraft is None or self.finish is not FinishReason.NONE:
@@ -176,7 +175,7 @@ class Generation:
         return min(self._max_draft, self._advised) if self.config.follow_advice else self._max_draft
 
     async def _draft(self, worker: DraftWorker, context: list[int], ready: DraftChain | None):
-        """This round's VerifyRequest, and its chain (None for a tree)."""
+        """This round's drafts, and its chain (None for a tree)."""
         drafted = time.perf_counter()
         try:
             if self.config.tree is not None:
@@ -191,14 +190,8 @@ class Generation:
         self.stats.visible_draft_ms += draft_s * 1e3
         if ready is None:
             self._depth.observe_draft(draft_s, len(token_ids))
-        request = pb.VerifyRequest(
-            session_id=self.session_id,
-            draft_token_ids=token_ids,
-            draft_parents=parents,
-            num_generated=len(self.tokens) - self._session_base,
-            draft_probs=wire.dists_to_proto(dists),
-        )
-        return request, chain
+        num_generated = len(self.tokens) - self._session_base
+        return DraftRound(token_ids, num_generated, parents, dists), chain
 
     async def _draft_chain(self, worker: DraftWorker, context: list[int], ready: DraftChain | None) -> DraftChain:
         # Advice 0 means drafting does not pay right now: the round carries no
@@ -227,14 +220,14 @@ class Generation:
             return DraftTree((), (), ())
         return await worker.run(self.drafter.propose_tree, context, budget, self.config.draft_p_min)
 
-    def _commit_round(self, request: pb.VerifyRequest, reply: pb.VerifyResponse) -> None:
+    def _commit_round(self, draft: DraftRound, reply: RoundReply) -> None:
         self.stats.rounds += 1
-        self.stats.draft_tokens += len(request.draft_token_ids)
+        self.stats.draft_tokens += len(draft.token_ids)
         self.stats.accepted_tokens += len(reply.accepted_nodes)
         self._advised = reply.advised_draft_tokens
-        self._commit(reply.token_ids, wire.finish_from_proto(reply.finish_reason))
+        self._commit(reply.token_ids, reply.finish)
 
-    def _check_speed(self, reply: pb.VerifyResponse) -> None:
+    def _check_speed(self, reply: RoundReply) -> None:
         """Fall back when the measured speculative time per token exceeds the server's time per round."""
         if not self.config.slow_draft_fallback or not reply.token_ids:
             return
@@ -272,7 +265,7 @@ class Generation:
             self._draft_sampling = dataclasses.replace(self._draft_sampling, top_k=top_k)
         if not self.tokens:
             self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
-        self._commit([opened.first_token_id], wire.finish_from_proto(opened.finish_reason))
+        self._commit([opened.first_token_id], opened.finish)
 
     async def _continue(self, conversation: Conversation, prompt: list[int], remaining: int):
         """The conversation's session continued with only the new tokens; None when it cannot be, its slot freed.
@@ -331,7 +324,7 @@ class Generation:
                             self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
                         elif reply.token_ids:
                             self.stats.rounds += 1
-                        self._commit(reply.token_ids, wire.finish_from_proto(reply.finish_reason))
+                        self._commit(reply.token_ids, reply.finish)
                         if self.finish is not FinishReason.NONE:
                             break
             except Lost as exc:

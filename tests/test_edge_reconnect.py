@@ -32,10 +32,10 @@ from harness import ApiThread, free_port, start_server_process, tiny_server, wai
 from reference import greedy_decode
 from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, SessionGone
 from specedge.edge_client.openai_api import ServeConfig
+from specedge.edge_client.rounds import DraftRound
 from specedge.edge_client.runtime import RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.types import SamplingParams
-from specedge.v1 import specedge_pb2 as pb
 
 # Four prompts whose greedy answers with the tiny target run to the length limit.
 PROMPTS = ["print(i * i)", "Hello, nice to meet you", "return a + b", "edge 1 says hi"]
@@ -160,7 +160,7 @@ def test_only_the_first_answer_to_notice_a_lost_connection_reconnects(tiny_targe
             await asyncio.sleep(0.2)  # the server notices the cancelled lease
             assert first.session_id not in sessions
             with pytest.raises(SessionGone) as gone:
-                await client.verify(pb.VerifyRequest(session_id=first.session_id, num_generated=1))
+                await client.verify(first.session_id, DraftRound((), num_generated=1))
             assert gone.value.epoch == 2  # it went out on the new connection, whose lease holds
             await client.recover(gone.value)
             again = await client.open_session(prompt, 8, greedy, None)
@@ -169,7 +169,7 @@ def test_only_the_first_answer_to_notice_a_lost_connection_reconnects(tiny_targe
             await client.recover(SessionGone("unknown session", epoch=1))
             await asyncio.sleep(0.2)
             assert again.session_id in sessions
-            reply = await client.verify(pb.VerifyRequest(session_id=again.session_id, num_generated=1))
+            reply = await client.verify(again.session_id, DraftRound((), num_generated=1))
             assert reply.token_ids
 
     with tiny_server(tiny_target_dir) as server:

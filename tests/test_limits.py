@@ -14,6 +14,7 @@ from raw_edge import PROMPT, Edge, status_of, until
 from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.rounds import ServerLimits
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.ratelimit import TokenBucket
 from specedge.server.app import ServerConfig
@@ -107,7 +108,7 @@ def test_the_handshake_reports_every_limit(limited, fingerprint):
             return client.server_info.limits
 
     limits = asyncio.run(run())
-    assert limits == pb.ServerLimits(
+    assert limits == ServerLimits(
         max_context_tokens=64, max_draft_tokens=8, max_sessions=4, max_prompt_tokens=20, max_draft_prob_tokens=4,
         max_sessions_per_identity=2, max_rounds_per_second=RATE, round_burst=BURST, max_message_bytes=64 << 10,
         idle_session_timeout_s=30, idle_connection_timeout_s=0.5, max_attach_streams_per_identity=MAX_ATTACH,
