@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.generation import generate
 from specedge.types import SamplingParams
 
 from .config import SERVER_DRIVEN, BenchConfig
@@ -144,7 +145,8 @@ async def run_cell(
             def on_tokens(token_ids, t0=request_started, out=deliveries):
                 out.append(((time.perf_counter() - t0) * 1e3, len(token_ids)))
 
-            result = await client.generate(
+            result = await generate(
+                client,
                 job.token_ids,
                 drafters[index] if use_drafter else None,
                 on_tokens,

@@ -30,6 +30,7 @@ import sys
 from tqdm import tqdm
 
 from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.generation import generate
 from specedge.scheduler.speculation import StepCostModel
 
 from .edges import DraftCall, TimedDrafter, real_drafters
@@ -119,7 +120,7 @@ async def _answer_all(config: ProfileConfig, server: ServerProcess, tokenizer, p
             ids = tokenizer.apply_chat_template(list(prompt.messages))
             drafter.calls.clear()
             before = await asyncio.to_thread(server.scrape)
-            result = await client.generate(ids, drafter)
+            result = await generate(client, ids, drafter)
             delta = (await asyncio.to_thread(server.scrape)) - before
             done[prompt.id] = {
                 "id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),

@@ -1,7 +1,8 @@
 """The edge's connection to a server: handshake, lease, one method per RPC, and reconnecting.
 
-What a generation does with these calls (drafting, proactive drafting,
-resuming, falling back) lives in edge_client/generation.py.
+What an answer does with these calls (drafting, proactive drafting,
+resuming, falling back) lives in edge_client/generation.py, which uses a
+client; the client knows nothing of answers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import grpc
 
 from specedge import wire
 from specedge.edge_client.channel import ChannelSecurity, open_channel
-from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, Drafter, TreeBudget
+from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, TreeBudget
 from specedge.edge_client.rounds import DraftRound, OpenedSession, RoundReply, ServerInfo, StreamedTokens
 from specedge.ratelimit import TokenBucket
 from specedge.tokens import IncompatibleTokenizer, TokenizerFingerprint, check_compatible
@@ -27,8 +28,6 @@ from specedge.v1 import specedge_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# A callback gets each batch of committed tokens; returning True stops the answer there (a stop string).
-TokenCallback = Callable[[Sequence[int]], "bool | None"]
 MAX_RETRIES = 3  # of a call refused with RESOURCE_EXHAUSTED and a retry-after-ms trailer
 MAX_RETRY_AFTER_MS = 10_000
 # Chooses the RPC on the stub of the moment (`lambda stub: stub.Verify`): a call goes out on the connection
@@ -467,24 +466,3 @@ class EdgeClient:
                 yield reply, arrived
         finally:
             reader.cancel()
-
-    # -- generation --------------------------------------------------------
-
-    async def generate(
-        self,
-        prompt: Sequence[int],
-        drafter: Drafter | None,
-        on_tokens: TokenCallback = lambda tokens: None,
-        *,
-        conversation=None,
-        config: EdgeConfig | None = None,
-        stats=None,
-    ):
-        """Speculative generation with `drafter`, or server-only when it is None; see generation.py.
-
-        `config` overrides the client's for this answer (e.g. a request's temperature). `stats`, a
-        GenerationStats, is filled in as the answer goes, for a caller that shows live figures.
-        """
-        from specedge.edge_client.generation import Generation
-
-        return await Generation(self, prompt, drafter, on_tokens, conversation, config or self.config, stats).run()

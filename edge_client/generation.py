@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from specedge.edge_client.client import (
     ConnectionLost,
@@ -32,7 +32,6 @@ from specedge.edge_client.client import (
     EdgeError,
     Lost,
     SessionGone,
-    TokenCallback,
 )
 from specedge.edge_client.drafting.base import (
     ChainBuilder,
@@ -49,10 +48,31 @@ from specedge.types import FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 
+# A callback gets each batch of committed tokens; returning True stops the answer there (a stop string).
+TokenCallback = Callable[[Sequence[int]], "bool | None"]
+
 SLOW_FALLBACK_MIN_ROUNDS = 4  # rounds measured before deciding drafting does not pay
 # Sessions lost in a row with no token committed in between before the answer gives up: a server that
 # answers the handshake but refuses every session (draining, with nowhere else to go) must not loop forever.
 MAX_FRUITLESS_RECOVERIES = 3
+
+
+async def generate(
+    client: EdgeClient,
+    prompt: Sequence[int],
+    drafter: Drafter | None,
+    on_tokens: TokenCallback = lambda tokens: None,
+    *,
+    config: EdgeConfig | None = None,
+    conversation: Conversation | None = None,
+    stats: GenerationStats | None = None,
+) -> GenerationResult:
+    """One answer on `client`: speculative with `drafter`, or server-only when it is None.
+
+    `config` overrides the client's for this answer (e.g. a request's temperature). `stats` is filled in
+    as the answer goes, for a caller that shows live figures.
+    """
+    return await Generation(client, prompt, drafter, on_tokens, conversation, config or client.config, stats).run()
 
 
 class _FallBack(Exception):

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from specedge.edge_client.channel import ChannelSecurity
-from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, TokenCallback
-from specedge.edge_client.generation import Conversation, GenerationResult, GenerationStats
+from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig
+from specedge.edge_client.generation import TokenCallback, generate
+from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
 
 if TYPE_CHECKING:
     from specedge.fleet.discovery import DiscoveryConfig, FleetRouter
@@ -164,13 +165,13 @@ class EdgeRuntime:
         options = dict(conversation=conversation, config=config, stats=stats)
         await self.client.ensure_connected()  # the server was left (draining, offline): start elsewhere
         if not self._all_drafters:
-            result = await self.client.generate(prompt, None, on_tokens, **options)
+            result = await generate(self.client, prompt, None, on_tokens, **options)
             if self.draft_unavailable and not self.config.server_only:
                 result.stats.fallback = self.draft_unavailable
         else:
             drafter = await self._drafters.get()
             try:
-                result = await self.client.generate(prompt, drafter, on_tokens, **options)
+                result = await generate(self.client, prompt, drafter, on_tokens, **options)
             finally:
                 self._drafters.put_nowait(drafter)
         if self.router is not None:

@@ -23,6 +23,7 @@ from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.channel import ChannelSecurity, open_channel
 from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
+from specedge.edge_client.generation import generate
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.auth import make_token, parse_token_file
@@ -200,7 +201,7 @@ def test_edge_client_over_mutual_tls_with_a_token_is_lossless(
         security = edge_security(pki, tokens["bob"])
         async with EdgeClient(mtls_server.address, fingerprint, config=config, security=security) as client:
             limits = client.server_info.limits
-            return await client.generate(PROMPT, TorchDrafter(tiny_draft_dir)), limits
+            return await generate(client, PROMPT, TorchDrafter(tiny_draft_dir)), limits
 
     result, limits = asyncio.run(run())
     assert result.token_ids == expected and result.stats.accepted_tokens > 0

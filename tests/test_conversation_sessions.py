@@ -17,8 +17,8 @@ from harness import tiny_server
 from reference import greedy_decode
 from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
 from specedge.edge_client.drafting.base import DraftChain
-from specedge.edge_client.generation import SLOW_FALLBACK_MIN_ROUNDS, Conversation
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.generation import SLOW_FALLBACK_MIN_ROUNDS, Conversation, generate
 from specedge.edge_client.tokenizer import HFTokenizer
 
 MAX_CONTEXT = 128
@@ -50,14 +50,14 @@ def test_a_refused_turn_closes_the_conversations_session(server, tokenizer, tiny
     async def run():
         async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
             conversation = Conversation()
-            await client.generate(first, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            await generate(client, first, TorchDrafter(tiny_draft_dir), conversation=conversation)
             kept = open_sessions(server)
             assert kept == [conversation.session_id]  # the conversation holds its session between turns
             # The next turn outgrows the server's context: ContinueSession is refused.
             too_long = [*conversation.tokens, *tokenizer.encode("print(i * i)\n" * 40)]
             assert len(too_long) >= MAX_CONTEXT
             with pytest.raises(EdgeError, match="INVALID_ARGUMENT"):
-                await client.generate(too_long, TorchDrafter(tiny_draft_dir), conversation=conversation)
+                await generate(client, too_long, TorchDrafter(tiny_draft_dir), conversation=conversation)
             return conversation, open_sessions(server)
 
     conversation, left_open = asyncio.run(run())
@@ -71,11 +71,11 @@ def test_a_turn_with_nothing_in_common_replaces_the_session(server, tokenizer, t
     async def run():
         async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
             conversation = Conversation()
-            await client.generate(first, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            await generate(client, first, TorchDrafter(tiny_draft_dir), conversation=conversation)
             old = conversation.session_id
             # With one session per identity, the new session is refused unless the old one was closed first.
             started = time.monotonic()
-            result = await client.generate(unrelated, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            result = await generate(client, unrelated, TorchDrafter(tiny_draft_dir), conversation=conversation)
             return old, conversation, result, time.monotonic() - started, open_sessions(server)
 
     old, conversation, result, took_s, left_open = asyncio.run(run())
@@ -113,7 +113,7 @@ def test_an_answer_that_finishes_on_the_round_that_measures_it_slow_is_no_fallba
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
             conversation = Conversation()
             drafter = WrongDrafter(tokenizer.fingerprint, wrong, delay_s=0.1)
-            result = await client.generate(prompt, drafter, conversation=conversation)
+            result = await generate(client, prompt, drafter, conversation=conversation)
             return result, conversation, open_sessions(server)
 
     result, conversation, held = asyncio.run(run())

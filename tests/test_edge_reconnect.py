@@ -31,6 +31,7 @@ import pytest
 from harness import ApiThread, free_port, start_server_process, tiny_server, wait_healthy
 from reference import greedy_decode
 from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, SessionGone
+from specedge.edge_client.generation import generate
 from specedge.edge_client.openai_api import ServeConfig
 from specedge.edge_client.rounds import DraftRound
 from specedge.edge_client.runtime import RuntimeConfig
@@ -191,7 +192,7 @@ def test_a_server_that_refuses_every_session_ends_the_answer(tiny_target_dir, ti
         async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
             drafter = TorchDrafter(tiny_draft_dir) if speculative else None
             with pytest.raises(ConnectionLost, match="is draining") as refused:
-                await asyncio.wait_for(client.generate(prompt, drafter), 30)
+                await asyncio.wait_for(generate(client, prompt, drafter), 30)
             return refused.value, client._epoch
 
     with tiny_server(tiny_target_dir) as server:

@@ -16,11 +16,12 @@ import threading
 import time
 
 import pytest
+
 from harness import free_port, start_server_process, tiny_server
 from reference import greedy_decode
 from specedge.edge_client.client import EdgeClient, EdgeConfig
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
-from specedge.edge_client.generation import Conversation
+from specedge.edge_client.generation import Conversation, generate
 from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
 
@@ -77,7 +78,7 @@ def test_an_expired_conversation_session_is_reopened(server, tiny_draft_dir, ref
     async def run():
         async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=16)) as client:
             stale = Conversation(session_id="no-such-session", tokens=prompt[:5])
-            return await client.generate(prompt, TorchDrafter(tiny_draft_dir), conversation=stale), stale
+            return await generate(client, prompt, TorchDrafter(tiny_draft_dir), conversation=stale), stale
 
     result, conversation = asyncio.run(run())
     assert result.token_ids == greedy_decode(reference_model, prompt, 16, set(tokenizer.eos_token_ids))
@@ -117,7 +118,7 @@ def test_a_failing_or_slow_drafter_falls_back_to_server_only(
     async def run():
         edge_config = EdgeConfig(max_new_tokens=40, follow_advice=False, **config)
         async with EdgeClient(server.address, tokenizer.fingerprint, config=edge_config) as client:
-            return await client.generate(prompt, drafter)
+            return await generate(client, prompt, drafter)
 
     result = asyncio.run(run())
     assert result.token_ids == greedy_decode(reference_model, prompt, 40, set(tokenizer.eos_token_ids))
@@ -179,7 +180,7 @@ def test_restarting_the_server_mid_answer_loses_and_repeats_nothing(tiny_target_
 
         async with EdgeClient(address, tokenizer.fingerprint, config=config) as client:
             drafter = TorchDrafter(tiny_draft_dir) if speculative else None
-            return await client.generate(prompt, drafter, on_tokens), received
+            return await generate(client, prompt, drafter, on_tokens), received
 
     try:
         result, received = asyncio.run(run())

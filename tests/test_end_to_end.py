@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from harness import ServerThread
 from reference import greedy_decode
 from specedge import wire
+from specedge.edge_client import generation
 from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.tokenizer import HFTokenizer
@@ -58,7 +59,7 @@ def reference_model(tiny_target_dir):
 def generate(server, tokenizer, prompt, drafter, **config):
     async def run():
         async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
-            return await client.generate(prompt, drafter)
+            return await generation.generate(client, prompt, drafter)
 
     return asyncio.run(run())
 
@@ -89,7 +90,7 @@ def test_four_edges_at_once_are_each_lossless(server, tokenizer, tiny_draft_dir,
     async def run():
         config = EdgeConfig(num_draft=4, max_new_tokens=48)
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return await asyncio.gather(*(client.generate(p, d) for p, d in zip(prompts, drafters)))
+            return await asyncio.gather(*(generation.generate(client, p, d) for p, d in zip(prompts, drafters)))
 
     results = asyncio.run(run())
     for prompt, result in zip(prompts, results):
@@ -190,7 +191,7 @@ def test_sampled_speculative_output_follows_the_target_distribution(
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
             results = []
             for _ in range(num_runs):
-                results.append(await client.generate(prompt, drafter))
+                results.append(await generation.generate(client, prompt, drafter))
             return results
 
     results = asyncio.run(run())

@@ -14,12 +14,13 @@ from raw_edge import PROMPT, Edge, status_of, until
 from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.generation import generate
 from specedge.edge_client.rounds import ServerLimits
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.ratelimit import TokenBucket
+from specedge.server import errors
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
-from specedge.server import errors
 from specedge.server.limits import AttachLimiter, RateLimitConfig, RoundRateLimiter
 from specedge.server.runner import KVCache
 from specedge.server.transport import TransportConfig
@@ -215,7 +216,7 @@ def test_a_well_behaved_edge_never_trips_the_rate_limit(limited, fingerprint, ti
         config = EdgeConfig(num_draft=1, max_new_tokens=24, follow_advice=False)
         async with EdgeClient(limited.address, fingerprint, config=config) as client:
             started = asyncio.get_running_loop().time()
-            result = await client.generate(prompt, drafter)
+            result = await generate(client, prompt, drafter)
             return result, asyncio.get_running_loop().time() - started
 
     refused_before = limited.server.stats.snapshot()["requests_refused"].get("rate_limited", 0)

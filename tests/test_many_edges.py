@@ -18,6 +18,7 @@ from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.client import EdgeClient, EdgeConfig
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.generation import generate
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.scheduler import BatcherConfig
 from specedge.server.app import ServerConfig
@@ -99,12 +100,12 @@ def test_sixteen_edges_chains_and_trees_greedy_and_sampled(server, tokenizer, ti
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
             if shape == "tree":
                 return await tree_generate(client, prompts[i], drafters[i], config.sampling, config.seed)
-            return (await client.generate(prompts[i], drafters[i])).token_ids
+            return (await generate(client, prompts[i], drafters[i])).token_ids
 
     async def server_only(i: int, sampling: SamplingParams):
         config = EdgeConfig(max_new_tokens=MAX_NEW, sampling=sampling, seed=100 + i)
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return (await client.generate(prompts[i], None)).token_ids
+            return (await generate(client, prompts[i], None)).token_ids
 
     async def run():
         edges = asyncio.gather(*(one_edge(i, shape, sampling) for i, (shape, sampling) in enumerate(kinds)))
@@ -189,7 +190,7 @@ def test_killed_edges_free_their_slots_while_others_finish(server, tokenizer, ti
     async def survivor(prompt):
         config = EdgeConfig(num_draft=4, max_new_tokens=MAX_NEW)
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return (await client.generate(prompt, TorchDrafter(tiny_draft_dir))).token_ids
+            return (await generate(client, prompt, TorchDrafter(tiny_draft_dir))).token_ids
 
     async def abandon_sessions(count: int):
         """Edges that open a session and vanish between rounds (their connection closes)."""
@@ -228,7 +229,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_rounds(server, to
     async def run():
         config = EdgeConfig(max_new_tokens=8)
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return (await client.generate(long_prompt, None)).token_ids
+            return (await generate(client, long_prompt, None)).token_ids
 
     steps_before = server.server.stats.snapshot()["num_steps"]
     tokens = asyncio.run(run())
@@ -308,7 +309,7 @@ def test_a_draft_that_never_matches_gets_drafting_turned_off(server, tokenizer, 
     async def run():
         config = EdgeConfig(num_draft=4, max_new_tokens=64)
         async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return await client.generate(prompt, TorchDrafter(useless))
+            return await generate(client, prompt, TorchDrafter(useless))
 
     result = asyncio.run(run())
     assert result.token_ids == greedy_decode(reference_model, prompt, 64, {2})
@@ -351,7 +352,7 @@ def test_concurrent_server_only_streams_share_forwards(tiny_target_dir, tokenize
             async def one(i):
                 config = EdgeConfig(max_new_tokens=40)
                 async with EdgeClient(fresh.address, tokenizer.fingerprint, config=config) as client:
-                    return await client.generate([5 + i, 6, 7, 8, 9], None)
+                    return await generate(client, [5 + i, 6, 7, 8, 9], None)
 
             return await asyncio.gather(*(one(i) for i in range(4)))
 

@@ -21,6 +21,7 @@ import pytest
 
 from harness import ApiProcess, ApiThread, ServerThread, free_port, health, tiny_server, wait_healthy
 from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
+from specedge.edge_client.generation import generate
 from specedge.edge_client.openai_api import EdgeAPIServer, ServeConfig
 from specedge.edge_client.runtime import RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
@@ -67,7 +68,7 @@ def server_only(server, tokenizer, prompt: list[int], max_tokens: int) -> list[i
 
     async def run():
         async with EdgeClient(server.address, tokenizer.fingerprint) as edge:
-            return await edge.generate(prompt, None, config=EdgeConfig(max_new_tokens=max_tokens))
+            return await generate(edge, prompt, None, config=EdgeConfig(max_new_tokens=max_tokens))
 
     return asyncio.run(run()).token_ids
 

@@ -12,6 +12,7 @@ import asyncio
 import time
 
 import pytest
+
 from harness import tiny_server
 from p_min import confident_length, keeps_an_unlikely_draw, min_prob_between
 from reference import greedy_decode
@@ -19,6 +20,7 @@ from specedge.edge_client.client import EdgeClient, EdgeConfig
 from specedge.edge_client.drafting.base import DraftChain, DraftSampling, TreeBudget
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.drafting.tree import TreeGrower
+from specedge.edge_client.generation import generate
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, guess_outcomes
 from specedge.edge_client.tokenizer import HFTokenizer
 
@@ -181,7 +183,7 @@ def server(tiny_target_dir):
 def run_edge(server, tokenizer, prompt, drafter, **config):
     async def run():
         async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
-            return await client.generate(prompt, drafter)
+            return await generate(client, prompt, drafter)
 
     return asyncio.run(run())
 

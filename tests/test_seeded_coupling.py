@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from harness import ServerThread, tiny_server
+from specedge.edge_client import generation
 from specedge.edge_client.client import EdgeClient, EdgeConfig
 from specedge.edge_client.drafting.base import CoupledSampling
 from specedge.edge_client.drafting.coupled import draw_coupled
@@ -77,7 +78,7 @@ class RecordingClient(EdgeClient):
 def generate(server, tokenizer, prompt, drafter, **config):
     async def run():
         async with RecordingClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
-            return await client.generate(prompt, drafter), client.rounds
+            return await generation.generate(client, prompt, drafter), client.rounds
 
     return asyncio.run(run())
 
@@ -175,7 +176,7 @@ def test_a_seeded_answer_resumed_after_a_lost_session_equals_server_only(server,
         config = EdgeConfig(sampling=sampling, seed=21, max_new_tokens=40)
         async with LosingClient(server.address, tokenizer.fingerprint, config=config) as client:
             client.rounds_seen = 0
-            return await client.generate(prompt, drafters["draft"])
+            return await generation.generate(client, prompt, drafters["draft"])
 
     answer = asyncio.run(run())
     server_only, _ = generate(server, tokenizer, prompt, None, sampling=sampling, seed=21, max_new_tokens=40)
