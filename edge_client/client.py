@@ -18,7 +18,6 @@ import grpc
 
 from specedge import wire
 from specedge.edge_client.channel import ChannelSecurity, open_channel
-from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, TreeBudget
 from specedge.edge_client.rounds import DraftRound, OpenedSession, RoundReply, ServerInfo, StreamedTokens
 from specedge.ratelimit import TokenBucket
 from specedge.tokens import IncompatibleTokenizer, TokenizerFingerprint, check_compatible
@@ -64,49 +63,21 @@ class SessionGone(Lost):
 
 
 @dataclasses.dataclass(frozen=True)
-class EdgeConfig:
-    num_draft: int = 4  # draft tokens per round (chains)
-    max_new_tokens: int = 128
-    sampling: SamplingParams = SamplingParams()
-    # Sampled requests with a seed are drafted coupled to the target's noise and verified by matching: the
-    # output equals the seeded server-only run, whatever the drafts, the load or the batch. Without a seed,
-    # they go by rejection sampling (below): accepts more, follows the target's distribution, not reproducible.
-    seed: int | None = None
-    follow_advice: bool = True  # draft min(num_draft, the server's advice) tokens a round
-    # Unseeded sampled requests: draft by sampling from a top-k q and send q, so the server verifies by
-    # rejection sampling (accepts more than matching its samples); off: greedy drafts, verified by matching.
-    rejection_sampling: bool = True
-    draft_top_k: int = DEFAULT_DRAFT_TOP_K
-    # Stop a chain before the first draft token whose draft probability is below this (llama.cpp's --draft-p-min).
-    draft_p_min: float = 0.0
-    # Draft trees instead of chains (drafters with propose_tree, e.g. the torch drafter).
-    tree: TreeBudget | None = None
-    # Draft the next round while this one is verified (chains only).
-    proactive: bool = True
-    max_guesses: int = 3  # verify outcomes drafted ahead for, likeliest first
-    # When the draft model fails, or drafting is measured slower than the server
-    # alone, finish the answer server-only and say so in the stats.
-    slow_draft_fallback: bool = False
+class ConnectionConfig:
+    """How the edge reaches its server; what an answer asks of it is its SpeculationPolicy (policy.py)."""
+
+    security: ChannelSecurity = ChannelSecurity()  # TLS and the bearer token (edge_client/channel.py)
     rpc_timeout_s: float = 120.0  # per RPC; a verify round normally takes well under a second
-    # After a lost connection: how long to keep trying to reconnect and resume.
+    # After a lost connection: how long to keep trying to reconnect (backing off from 0.1 s to 5 s) and resume.
     reconnect_timeout_s: float = 30.0
     # An emulated network, injected on the edge side: each RPC waits rtt/2 each
     # way, plus uniform jitter in [0, jitter].
     simulated_rtt_ms: float = 0.0
     simulated_jitter_ms: float = 0.0
-    # Answers without a drafter: have the server draft this many tokens a round with
-    # its own draft model (specedge-server --draft-model), the server-side baseline.
-    server_draft_tokens: int = 0
 
     def __post_init__(self):
-        if self.num_draft < 0 or self.server_draft_tokens < 0:
-            raise ValueError(f"num_draft and server_draft_tokens must be >= 0, got {self.num_draft}, {self.server_draft_tokens}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0.0 <= self.draft_p_min <= 1.0:
-            raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min}")
-        if self.max_guesses < 1:
-            raise ValueError(f"max_guesses must be >= 1, got {self.max_guesses}")
+        if self.rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
         if min(self.simulated_rtt_ms, self.simulated_jitter_ms, self.reconnect_timeout_s) < 0:
             raise ValueError("simulated delays and the reconnect timeout must be >= 0")
 
@@ -153,9 +124,8 @@ class EdgeClient:
         address: str,
         fingerprint: TokenizerFingerprint,
         *,
-        config: EdgeConfig = EdgeConfig(),
+        config: ConnectionConfig = ConnectionConfig(),
         choose_address: Callable[[], Awaitable[str]] | None = None,
-        security: ChannelSecurity = ChannelSecurity(),
     ):
         self.address = address
         self.fingerprint = fingerprint
@@ -163,7 +133,6 @@ class EdgeClient:
         # Fleet discovery: asked which server to use on every (re)connect. With it, `abandon()` moves
         # this client off its server (draining, offline), and resumed sessions land where it points.
         self.choose_address = choose_address
-        self.security = security  # TLS and the bearer token (edge_client/channel.py)
         self._pace: TokenBucket | None = None  # the server's per-identity round rate, when it has one
         self._channel: grpc.aio.Channel | None = None
         self._stub: specedge_pb2_grpc.SpecEdgeStub | None = None
@@ -186,7 +155,7 @@ class EdgeClient:
         if self.choose_address is not None:
             self.address = await self.choose_address()
             self._left = asyncio.get_running_loop().create_future()
-        self._channel = open_channel(self.address, self.security)
+        self._channel = open_channel(self.address, self.config.security)
         self._stub = specedge_pb2_grpc.SpecEdgeStub(self._channel)
         await self.handshake()
         # The connection's lease: if this process dies, the server frees our slots at once.

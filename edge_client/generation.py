@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from specedge.edge_client.client import (
     ConnectionLost,
     EdgeClient,
-    EdgeConfig,
     EdgeError,
     Lost,
     SessionGone,
@@ -41,6 +40,7 @@ from specedge.edge_client.drafting.base import (
     DraftSampling,
     DraftTree,
 )
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
 from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
 from specedge.edge_client.rounds import DraftRound, RoundReply
@@ -63,16 +63,16 @@ async def generate(
     drafter: Drafter | None,
     on_tokens: TokenCallback = lambda tokens: None,
     *,
-    config: EdgeConfig | None = None,
+    policy: SpeculationPolicy = SpeculationPolicy(),
     conversation: Conversation | None = None,
     stats: GenerationStats | None = None,
 ) -> GenerationResult:
     """One answer on `client`: speculative with `drafter`, or server-only when it is None.
 
-    `config` overrides the client's for this answer (e.g. a request's temperature). `stats` is filled in
-    as the answer goes, for a caller that shows live figures.
+    `conversation` keeps the server session for the next turn; `stats` is filled in as the answer goes,
+    for a caller that shows live figures.
     """
-    return await Generation(client, prompt, drafter, on_tokens, conversation, config or client.config, stats).run()
+    return await Generation(client, prompt, drafter, on_tokens, conversation, policy, stats).run()
 
 
 class _FallBack(Exception):
@@ -87,10 +87,10 @@ class Generation:
         drafter: Drafter | None,
         on_tokens: TokenCallback,
         conversation: Conversation | None,
-        config: EdgeConfig,
+        policy: SpeculationPolicy,
         stats: GenerationStats | None = None,
     ):
-        self.client, self.config = client, config
+        self.client, self.policy = client, policy
         self.prompt = list(prompt)
         self.drafter = drafter
         self.on_tokens = on_tokens
@@ -101,8 +101,8 @@ class Generation:
         self.session_id: str | None = None
         self._session_base = 0  # answer tokens that were the current session's prompt (after a resume)
         self._advised = 0
-        self._max_draft = self.config.num_draft
-        self._draft_sampling = _draft_sampling(config)
+        self._max_draft = self.policy.num_draft
+        self._draft_sampling = _draft_sampling(policy)
         self._depth = DepthEstimator()
         self._server_ms_per_round: float | None = None  # smoothed, for the slow-draft fallback
         self._max_draft_nodes = 0  # the server's limit, learnt when the session opens
@@ -110,8 +110,8 @@ class Generation:
 
     async def run(self) -> GenerationResult:
         started = time.perf_counter()
-        wants_drafts = self.drafter is not None and (self.config.num_draft > 0 or self.config.tree is not None)
-        if self.config.tree is not None and self.drafter is not None and not hasattr(self.drafter, "propose_tree"):
+        wants_drafts = self.drafter is not None and (self.policy.num_draft > 0 or self.policy.tree is not None)
+        if self.policy.tree is not None and self.drafter is not None and not hasattr(self.drafter, "propose_tree"):
             raise EdgeError("tree drafting needs a drafter that drafts trees (the torch drafter); use chains")
         keep_session = False
         try:
@@ -159,10 +159,10 @@ class Generation:
         context = [*self.prompt, *self.tokens]
         draft, chain = await self._draft(worker, context, ready)
         proactive = None
-        if chain is not None and chain.token_ids and self.config.proactive:
-            proactive = ProactiveRound(worker, self._draft_sampling, self.config.draft_p_min)
+        if chain is not None and chain.token_ids and self.policy.proactive:
+            proactive = ProactiveRound(worker, self._draft_sampling, self.policy.draft_p_min)
             depth = self._depth.tokens_per_wait(cap=max(1, self._wanted_draft()))
-            proactive.start(context, chain, guess_outcomes(chain, self.config.max_guesses), depth)
+            proactive.start(context, chain, guess_outcomes(chain, self.policy.max_guesses), depth)
         sent = time.perf_counter()
         try:
             reply = await self.client.verify(self.session_id, draft)
@@ -192,13 +192,13 @@ class Generation:
         return predraft.chain
 
     def _wanted_draft(self) -> int:
-        return min(self._max_draft, self._advised) if self.config.follow_advice else self._max_draft
+        return min(self._max_draft, self._advised) if self.policy.follow_advice else self._max_draft
 
     async def _draft(self, worker: DraftWorker, context: list[int], ready: DraftChain | None):
         """This round's drafts, and its chain (None for a tree)."""
         drafted = time.perf_counter()
         try:
-            if self.config.tree is not None:
+            if self.policy.tree is not None:
                 tree = await self._draft_tree(worker, context)
                 chain, token_ids, parents, dists = None, tree.token_ids, tree.parents, ()
             else:
@@ -225,20 +225,20 @@ class Generation:
                 [*context, *chain.token_ids],
                 wanted - len(chain.token_ids),
                 self._draft_sampling,
-                self.config.draft_p_min,
+                self.policy.draft_p_min,
             )
             chain = concat(chain, more)
         return chain
 
     async def _draft_tree(self, worker: DraftWorker, context: list[int]):
-        budget = self.config.tree
-        if self.config.follow_advice and self._advised == 0:
+        budget = self.policy.tree
+        if self.policy.follow_advice and self._advised == 0:
             budget = None
         elif budget.max_nodes > self._max_draft_nodes:
             budget = dataclasses.replace(budget, max_nodes=self._max_draft_nodes)
         if budget is None:
             return DraftTree((), (), ())
-        return await worker.run(self.drafter.propose_tree, context, budget, self.config.draft_p_min)
+        return await worker.run(self.drafter.propose_tree, context, budget, self.policy.draft_p_min)
 
     def _commit_round(self, draft: DraftRound, reply: RoundReply) -> None:
         self.stats.rounds += 1
@@ -249,7 +249,7 @@ class Generation:
 
     def _check_speed(self, reply: RoundReply) -> None:
         """Fall back when the measured speculative time per token exceeds the server's time per round."""
-        if not self.config.slow_draft_fallback or not reply.token_ids:
+        if not self.policy.slow_draft_fallback or not reply.token_ids:
             return
         # Server-only decoding costs about one step per token (no round trip);
         # a round's step carries more tokens, so this errs towards drafting.
@@ -267,7 +267,7 @@ class Generation:
 
     async def _open(self, started: float) -> None:
         """Open a session for the prompt, or continue the conversation's with only the new tokens."""
-        remaining = self.config.max_new_tokens - len(self.tokens)
+        remaining = self.policy.max_new_tokens - len(self.tokens)
         prompt = [*self.prompt, *self.tokens]
         opened = None
         if self.conversation is not None and self.conversation.session_id is not None:
@@ -277,7 +277,7 @@ class Generation:
         self.session_id = opened.session_id
         self._session_base = len(self.tokens)
         self._advised = opened.advised_draft_tokens
-        self._max_draft = min(self.config.num_draft, opened.limits.max_draft_tokens)
+        self._max_draft = min(self.policy.num_draft, opened.limits.max_draft_tokens)
         self._max_draft_nodes = opened.limits.max_draft_tokens
         # A q sent for rejection sampling is no wider than the server accepts.
         if isinstance(self._draft_sampling, DraftSampling) and opened.limits.max_draft_prob_tokens:
@@ -335,8 +335,8 @@ class Generation:
         """The server decodes the rest alone (from the start, or after a fallback), resuming if the stream breaks."""
         while self.finish is FinishReason.NONE:
             prompt = [*self.prompt, *self.tokens]
-            remaining = self.config.max_new_tokens - len(self.tokens)
-            stream = self.client.generate_stream(prompt, remaining, *self._sampling(), self.config.server_draft_tokens)
+            remaining = self.policy.max_new_tokens - len(self.tokens)
+            stream = self.client.generate_stream(prompt, remaining, *self._sampling(), self.policy.server_draft_tokens)
             try:
                 async with contextlib.aclosing(stream):  # leaving early (a stop string) cancels the call
                     async for reply in stream:
@@ -351,7 +351,7 @@ class Generation:
                 await self._recover(exc)
 
     def _sampling(self) -> tuple[SamplingParams, int | None]:
-        return self.config.sampling, self.config.seed
+        return self.policy.sampling, self.policy.seed
 
     def _commit(self, token_ids: Sequence[int], finish: FinishReason) -> None:
         if token_ids:
@@ -362,7 +362,7 @@ class Generation:
             self.finish = FinishReason.STOP  # the caller saw a stop string
 
 
-def _draft_sampling(config: EdgeConfig) -> DraftSampling | CoupledSampling | None:
+def _draft_sampling(policy: SpeculationPolicy) -> DraftSampling | CoupledSampling | None:
     """How a chain's drafts are drawn, which decides how the server verifies them.
 
     Greedy requests draft greedily. A seeded sampled request drafts coupled to
@@ -372,12 +372,12 @@ def _draft_sampling(config: EdgeConfig) -> DraftSampling | CoupledSampling | Non
     for rejection sampling, which accepts more (or, with rejection sampling
     off, drafts greedily for matching).
     """
-    if config.sampling.greedy:
+    if policy.sampling.greedy:
         return None
-    if config.seed is not None:
-        return CoupledSampling(config.sampling, config.seed)  # the seed the server samples with (_sampling)
-    if config.rejection_sampling:
-        return DraftSampling(config.sampling.temperature, config.draft_top_k, secrets.randbits(63))
+    if policy.seed is not None:
+        return CoupledSampling(policy.sampling, policy.seed)  # the seed the server samples with (_sampling)
+    if policy.rejection_sampling:
+        return DraftSampling(policy.sampling.temperature, policy.draft_top_k, secrets.randbits(63))
     return None
 
 

@@ -30,9 +30,10 @@ import pytest
 
 from harness import ApiThread, free_port, start_server_process, tiny_server, wait_healthy
 from reference import greedy_decode
-from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, SessionGone
+from specedge.edge_client.client import ConnectionConfig, ConnectionLost, EdgeClient, SessionGone
 from specedge.edge_client.generation import generate
 from specedge.edge_client.openai_api import ServeConfig
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.rounds import DraftRound
 from specedge.edge_client.runtime import RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
@@ -103,9 +104,14 @@ def test_four_answers_survive_a_server_restart(tiny_target_dir, tiny_draft_dir, 
         eos = set(tokenizer.eos_token_ids)
         expected = [greedy_decode(reference_model, tokenizer.apply_chat_template(m), MAX_TOKENS, eos) for m in messages]
         assert [len(e) for e in expected] == [MAX_TOKENS] * len(PROMPTS)  # long enough to be cut mid-way
-        edge = EdgeConfig(num_draft=4, simulated_rtt_ms=20, reconnect_timeout_s=120, follow_advice=False)
-        runtime = RuntimeConfig(server=address, draft=str(tiny_draft_dir), edge=edge, num_drafters=len(PROMPTS),
-                                server_only=server_only_answers)  # fmt: skip
+        runtime = RuntimeConfig(
+            server=address,
+            draft=str(tiny_draft_dir),
+            policy=SpeculationPolicy(num_draft=4, follow_advice=False),
+            connection=ConnectionConfig(simulated_rtt_ms=20, reconnect_timeout_s=120),
+            num_drafters=len(PROMPTS),
+            server_only=server_only_answers,
+        )
         with ApiThread(runtime, ServeConfig(port=0)) as api:
             model = wait_healthy(api.base_url, timeout_s=120)["model"]
             progress = [Progress() for _ in PROMPTS]
@@ -189,10 +195,11 @@ def test_a_server_that_refuses_every_session_ends_the_answer(tiny_target_dir, ti
 
     async def run(server):
         server.server.engine.draining = "server s1 is draining (test): it admits no new sessions"
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             drafter = TorchDrafter(tiny_draft_dir) if speculative else None
             with pytest.raises(ConnectionLost, match="is draining") as refused:
-                await asyncio.wait_for(generate(client, prompt, drafter), 30)
+                answer = generate(client, prompt, drafter, policy=SpeculationPolicy(max_new_tokens=8))
+                await asyncio.wait_for(answer, 30)
             return refused.value, client._epoch
 
     with tiny_server(tiny_target_dir) as server:

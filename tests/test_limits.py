@@ -13,8 +13,9 @@ from harness import ServerThread
 from raw_edge import PROMPT, Edge, status_of, until
 from reference import greedy_decode
 from specedge import wire
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import EdgeClient
 from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.rounds import ServerLimits
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.ratelimit import TokenBucket
@@ -213,10 +214,10 @@ def test_a_well_behaved_edge_never_trips_the_rate_limit(limited, fingerprint, ti
     drafter = TorchDrafter(tiny_draft_dir)
 
     async def run():
-        config = EdgeConfig(num_draft=1, max_new_tokens=24, follow_advice=False)
-        async with EdgeClient(limited.address, fingerprint, config=config) as client:
+        policy = SpeculationPolicy(num_draft=1, max_new_tokens=24, follow_advice=False)
+        async with EdgeClient(limited.address, fingerprint) as client:
             started = asyncio.get_running_loop().time()
-            result = await generate(client, prompt, drafter)
+            result = await generate(client, prompt, drafter, policy=policy)
             return result, asyncio.get_running_loop().time() - started
 
     refused_before = limited.server.stats.snapshot()["requests_refused"].get("rate_limited", 0)

@@ -19,10 +19,11 @@ import torch
 
 from harness import ServerThread, tiny_server
 from specedge.edge_client import generation
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import EdgeClient
 from specedge.edge_client.drafting.base import CoupledSampling
 from specedge.edge_client.drafting.coupled import draw_coupled
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
@@ -77,8 +78,8 @@ class RecordingClient(EdgeClient):
 
 def generate(server, tokenizer, prompt, drafter, **config):
     async def run():
-        async with RecordingClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
-            return await generation.generate(client, prompt, drafter), client.rounds
+        async with RecordingClient(server.address, tokenizer.fingerprint) as client:
+            return await generation.generate(client, prompt, drafter, policy=SpeculationPolicy(**config)), client.rounds
 
     return asyncio.run(run())
 
@@ -173,10 +174,10 @@ def test_a_seeded_answer_resumed_after_a_lost_session_equals_server_only(server,
     sampling = SamplingParams(temperature=0.8, top_k=40)
 
     async def run():
-        config = EdgeConfig(sampling=sampling, seed=21, max_new_tokens=40)
-        async with LosingClient(server.address, tokenizer.fingerprint, config=config) as client:
+        policy = SpeculationPolicy(sampling=sampling, seed=21, max_new_tokens=40)
+        async with LosingClient(server.address, tokenizer.fingerprint) as client:
             client.rounds_seen = 0
-            return await generation.generate(client, prompt, drafters["draft"])
+            return await generation.generate(client, prompt, drafters["draft"], policy=policy)
 
     answer = asyncio.run(run())
     server_only, _ = generate(server, tokenizer, prompt, None, sampling=sampling, seed=21, max_new_tokens=40)
