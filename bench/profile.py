@@ -34,7 +34,7 @@ from specedge.edge_client.generation import generate
 from specedge.edge_client.policy import SpeculationPolicy
 from specedge.scheduler.speculation import StepCostModel
 
-from .edges import DraftCall, TimedDrafter, real_drafters
+from .edges import DraftCall, TimedDrafter, real_drafters, timed
 from .prompts import PROMPTS_FILE, load_prompts
 from .server import ServerProcess
 from .simulated import ALL, AcceptanceProfile, CategoryProfile
@@ -79,7 +79,7 @@ def record_profile(config: ProfileConfig, progress: bool = True) -> AcceptancePr
     prompts = load_prompts(config.prompts_file, config.categories or None)
     tokenizer = load_tokenizer(resolve(config.draft))
     [drafter] = real_drafters(config.draft, 1, config.draft_threads)
-    drafter = TimedDrafter(drafter.inner, record=True)
+    drafter = timed(drafter.inner, record=True)
     server_args = ["--model", config.target, "--max-sessions", "2", "--max-context", str(config.max_context)]
     load_before = os.getloadavg()
     try:

@@ -39,6 +39,7 @@ from specedge.edge_client.drafting.base import (
     Drafter,
     DraftSampling,
     DraftTree,
+    TreeDrafter,
 )
 from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
@@ -111,7 +112,7 @@ class Generation:
     async def run(self) -> GenerationResult:
         started = time.perf_counter()
         wants_drafts = self.drafter is not None and (self.policy.num_draft > 0 or self.policy.tree is not None)
-        if self.policy.tree is not None and self.drafter is not None and not hasattr(self.drafter, "propose_tree"):
+        if self.policy.tree is not None and self.drafter is not None and not isinstance(self.drafter, TreeDrafter):
             raise EdgeError("tree drafting needs a drafter that drafts trees (the torch drafter); use chains")
         keep_session = False
         try:
@@ -230,15 +231,14 @@ class Generation:
             chain = concat(chain, more)
         return chain
 
-    async def _draft_tree(self, worker: DraftWorker, context: list[int]):
-        budget = self.policy.tree
-        if self.policy.follow_advice and self._advised == 0:
-            budget = None
-        elif budget.max_nodes > self._max_draft_nodes:
-            budget = dataclasses.replace(budget, max_nodes=self._max_draft_nodes)
-        if budget is None:
+    async def _draft_tree(self, worker: DraftWorker, context: list[int]) -> DraftTree:
+        budget, drafter = self.policy.tree, self.drafter
+        # run() refused a tree policy for a drafter that drafts only chains.
+        if budget is None or not isinstance(drafter, TreeDrafter) or (self.policy.follow_advice and self._advised == 0):
             return DraftTree((), (), ())
-        return await worker.run(self.drafter.propose_tree, context, budget, self.policy.draft_p_min)
+        if budget.max_nodes > self._max_draft_nodes:
+            budget = dataclasses.replace(budget, max_nodes=self._max_draft_nodes)
+        return await worker.run(drafter.propose_tree, context, budget, self.policy.draft_p_min)
 
     def _commit_round(self, draft: DraftRound, reply: RoundReply) -> None:
         self.stats.rounds += 1
