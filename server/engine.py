@@ -28,7 +28,7 @@ from specedge.server.loading import Target
 from specedge.server.requests import DraftRound, RequestLimits, SessionRequest, TurnRequest
 from specedge.server.draws import RowDraw, draw_rows
 from specedge.server.postprocess import after_prefill, after_round, prefill_draw, round_draw
-from specedge.server.runner import ForwardRequest, KVMove, ModelRunner
+from specedge.server.runner import ForwardRequest, KVMove, Runner
 from specedge.server.server_draft import DraftRow, ServerDrafter
 from specedge.server.session import Session
 from specedge.server.stats import ServerStats
@@ -112,7 +112,7 @@ class _Work:
 class Engine:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         target: Target,
         config: EngineConfig,
         stats: ServerStats | None = None,

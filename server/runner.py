@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -75,7 +76,22 @@ class KVCache:
             cache[slots, dst] = cache[slots, src]  # the gather copies first, so overlapping ranges are safe
 
 
+class Runner(Protocol):
+    """What the engine drives: a ModelRunner, or rank 0's TensorParallelRunner (every rank in step)."""
+
+    model: CausalLM  # rank 0's model (its shard under tensor parallelism)
+    kv: KVCache
+
+    def forward_packed(self, requests: Sequence[ForwardRequest]) -> torch.Tensor | None: ...
+
+    def forward(self, requests: Sequence[ForwardRequest]) -> list[torch.Tensor]: ...
+
+    def move_kv(self, moves: Sequence[KVMove]) -> None: ...
+
+
 class ModelRunner:
+    """A Runner on one device: the model, its KV cache, the packed layout of each step."""
+
     def __init__(self, model: CausalLM, kv: KVCache):
         self.model = model
         self.kv = kv
