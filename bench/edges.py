@@ -10,7 +10,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling
+from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling, DraftTree, TreeBudget, TreeDrafter
 
 from .simulated import AcceptanceProfile, AnswerScript, SimulatedDrafter, make_script
 
@@ -30,8 +30,6 @@ class TimedDrafter:
         self.fingerprint = inner.fingerprint
         self.busy_s = 0.0
         self.calls: list[DraftCall] | None = [] if record else None
-        if hasattr(inner, "propose_tree"):  # Generation drafts trees only with drafters that have this
-            self.propose_tree = self._propose_tree
 
     def propose(
         self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None, min_prob: float = 0.0
@@ -44,15 +42,30 @@ class TimedDrafter:
             self.calls.append(DraftCall(tuple(context), chain, seconds))
         return chain
 
-    def _propose_tree(self, context, budget, min_prob=0.0):
+    def close(self) -> None:
+        self.inner.close()
+
+
+class TimedTreeDrafter(TimedDrafter):
+    """A real tree drafter, timed: still a TreeDrafter, so answers can draft trees with it."""
+
+    inner: TreeDrafter
+
+    def __init__(self, inner: TreeDrafter, record: bool = False):
+        super().__init__(inner, record)
+        self.inner = inner
+
+    def propose_tree(self, context: Sequence[int], budget: TreeBudget, min_prob: float = 0.0) -> DraftTree:
         started = time.perf_counter()
         try:
             return self.inner.propose_tree(context, budget, min_prob)
         finally:
             self.busy_s += time.perf_counter() - started
 
-    def close(self) -> None:
-        self.inner.close()
+
+def timed(inner: Drafter, record: bool = False) -> TimedDrafter:
+    """`inner`, timed; a tree drafter stays one."""
+    return TimedTreeDrafter(inner, record) if isinstance(inner, TreeDrafter) else TimedDrafter(inner, record)
 
 
 def real_drafters(draft: str, count: int, threads: int) -> list[TimedDrafter]:
@@ -61,7 +74,7 @@ def real_drafters(draft: str, count: int, threads: int) -> list[TimedDrafter]:
 
     resolved = resolve(draft)
     options = {"n_threads": threads} if resolved.format == "gguf" else {}
-    return [TimedDrafter(load_drafter(resolved, **options)) for _ in range(count)]
+    return [timed(load_drafter(resolved, **options)) for _ in range(count)]
 
 
 def simulated_drafters(

@@ -19,7 +19,9 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import ConnectionConfig, EdgeClient
+from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.types import SamplingParams
 
 from .config import SERVER_DRIVEN, BenchConfig
@@ -95,27 +97,27 @@ class CellRun:
         }  # fmt: skip
 
 
-def edge_config(config: BenchConfig, mode: str, rtt_ms: float, seed: int | None) -> EdgeConfig:
-    sampling = SamplingParams(temperature=config.temperature)
-    common = dict(
-        max_new_tokens=config.max_tokens,
-        sampling=sampling,
-        seed=seed,
-        simulated_rtt_ms=rtt_ms,
-        simulated_jitter_ms=config.jitter_ms,
+def connection(config: BenchConfig, rtt_ms: float) -> ConnectionConfig:
+    """Each edge's emulated network for a cell."""
+    return ConnectionConfig(simulated_rtt_ms=rtt_ms, simulated_jitter_ms=config.jitter_ms)
+
+
+def policy(config: BenchConfig, mode: str, seed: int | None) -> SpeculationPolicy:
+    base = SpeculationPolicy(
+        max_new_tokens=config.max_tokens, sampling=SamplingParams(temperature=config.temperature), seed=seed
     )
     if mode == "ar":
-        return EdgeConfig(num_draft=0, **common)
+        return dataclasses.replace(base, num_draft=0)
     if mode == "server_spec":
-        return EdgeConfig(num_draft=0, server_draft_tokens=config.num_draft, **common)
-    return EdgeConfig(
+        return dataclasses.replace(base, num_draft=0, server_draft_tokens=config.num_draft)
+    return dataclasses.replace(
+        base,
         num_draft=config.num_draft,
         tree=config.tree,
         proactive=mode == "specedge_proactive",
         follow_advice=config.follow_advice,
         # A simulated draft has no distribution q to send: verify by matching samples.
         rejection_sampling=config.edge_kind == "real",
-        **common,
     )
 
 
@@ -130,7 +132,7 @@ async def run_cell(
 ) -> tuple[float, list[RequestResult]]:
     """Run the cell; its wall time and every request's result."""
     use_drafter = cell.mode not in SERVER_DRIVEN
-    clients = [EdgeClient(address, fingerprint) for _ in plan]
+    clients = [EdgeClient(address, fingerprint, config=connection(config, cell.rtt_ms)) for _ in plan]
     await asyncio.gather(*(client.connect() for client in clients))
     started = time.perf_counter()
 
@@ -144,11 +146,12 @@ async def run_cell(
             def on_tokens(token_ids, t0=request_started, out=deliveries):
                 out.append(((time.perf_counter() - t0) * 1e3, len(token_ids)))
 
-            result = await client.generate(
+            result = await generate(
+                client,
                 job.token_ids,
                 drafters[index] if use_drafter else None,
                 on_tokens,
-                config=edge_config(config, cell.mode, cell.rtt_ms, seed),
+                policy=policy(config, cell.mode, seed),
             )
             results.append(RequestResult(
                 edge=index, prompt_id=job.prompt_id, category=job.category, token_ids=list(result.token_ids),

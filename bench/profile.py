@@ -29,10 +29,12 @@ import sys
 
 from tqdm import tqdm
 
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import EdgeClient
+from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.scheduler.speculation import StepCostModel
 
-from .edges import DraftCall, TimedDrafter, real_drafters
+from .edges import DraftCall, TimedDrafter, real_drafters, timed
 from .prompts import PROMPTS_FILE, load_prompts
 from .server import ServerProcess
 from .simulated import ALL, AcceptanceProfile, CategoryProfile
@@ -77,7 +79,7 @@ def record_profile(config: ProfileConfig, progress: bool = True) -> AcceptancePr
     prompts = load_prompts(config.prompts_file, config.categories or None)
     tokenizer = load_tokenizer(resolve(config.draft))
     [drafter] = real_drafters(config.draft, 1, config.draft_threads)
-    drafter = TimedDrafter(drafter.inner, record=True)
+    drafter = timed(drafter.inner, record=True)
     server_args = ["--model", config.target, "--max-sessions", "2", "--max-context", str(config.max_context)]
     load_before = os.getloadavg()
     try:
@@ -109,17 +111,19 @@ def record_profile(config: ProfileConfig, progress: bool = True) -> AcceptancePr
 
 async def _answer_all(config: ProfileConfig, server: ServerProcess, tokenizer, prompts, drafter, progress: bool):
     """Each prompt's measurement; kept in a side file as it goes, so an interrupted run resumes where it stopped."""
-    edge = EdgeConfig(num_draft=config.num_draft, max_new_tokens=config.max_tokens, proactive=False, follow_advice=False)
+    policy = SpeculationPolicy(
+        num_draft=config.num_draft, max_new_tokens=config.max_tokens, proactive=False, follow_advice=False
+    )
     partial = config.out_path.with_suffix(".partial.json")
     key = {"target": config.target, "draft": config.draft, "num_draft": config.num_draft, "max_tokens": config.max_tokens}
     done = _load_partial(partial, key)
     todo = [p for p in prompts if p.id not in done]
-    async with EdgeClient(server.address, tokenizer.fingerprint, config=edge) as client:
+    async with EdgeClient(server.address, tokenizer.fingerprint) as client:
         for prompt in tqdm(todo, desc="profiling", unit="prompt", disable=not progress, file=sys.stderr):
             ids = tokenizer.apply_chat_template(list(prompt.messages))
             drafter.calls.clear()
             before = await asyncio.to_thread(server.scrape)
-            result = await client.generate(ids, drafter)
+            result = await generate(client, ids, drafter, policy=policy)
             delta = (await asyncio.to_thread(server.scrape)) - before
             done[prompt.id] = {
                 "id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from specedge.edge_client.client import EdgeConfig
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.results import GenerationStats
 from specedge.edge_client.text import IncrementalText, StopStrings
 from specedge.types import FinishReason
@@ -84,12 +84,12 @@ class TextAnswer:
 async def answer(
     runtime: EdgeRuntime,
     prompt: Sequence[int],
-    config: EdgeConfig,
+    policy: SpeculationPolicy,
     stops: Iterable[str] = (),
     on_text: TextCallback = lambda piece: None,
 ) -> AnswerResult:
     """Generate one answer with `runtime` (its own server session); `on_text` gets each burst's new text."""
     text = TextAnswer(runtime.tokenizer, stops, on_text)
-    result = await runtime.generate(prompt, text.on_tokens, config=config)
+    result = await runtime.generate(prompt, text.on_tokens, policy=policy)
     finish = FinishReason.STOP if text.stopped else result.finish  # a stop string wins over a burst's length limit
     return AnswerResult(text.finish(), finish, len(prompt), text.num_tokens, result.stats)

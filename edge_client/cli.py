@@ -84,11 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
     from specedge.edge_client.channel import ChannelSecurity
-    from specedge.edge_client.client import EdgeConfig
+    from specedge.edge_client.client import ConnectionConfig
     from specedge.edge_client.drafting.base import TreeBudget
+    from specedge.edge_client.policy import SpeculationPolicy
     from specedge.edge_client.runtime import RuntimeConfig
 
-    edge = EdgeConfig(
+    policy = SpeculationPolicy(
         num_draft=0 if args.server_only else args.num_draft,
         max_new_tokens=args.max_tokens or default_max_tokens,
         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
@@ -97,6 +98,11 @@ def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
         tree=TreeBudget(args.tree_depth, args.tree_width, args.tree_nodes) if args.tree else None,
         proactive=not args.no_proactive,
         slow_draft_fallback=not args.no_fallback,
+    )
+    connection = ConnectionConfig(
+        security=ChannelSecurity.from_env(
+            args.token, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
+        ),
         simulated_rtt_ms=args.simulate_rtt_ms,
         simulated_jitter_ms=args.simulate_jitter_ms,
     )
@@ -112,13 +118,11 @@ def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
         server=args.server or (None if discovery else DEFAULT_SERVER),
         discovery=discovery,
         draft=args.draft,
-        edge=edge,
+        policy=policy,
+        connection=connection,
         server_only=args.server_only,
         threads=args.threads,
         num_drafters=getattr(args, "parallel", 1),
-        security=ChannelSecurity.from_env(
-            args.token, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
-        ),
     )
 
 

@@ -1,7 +1,8 @@
 """The edge's connection to a server: handshake, lease, one method per RPC, and reconnecting.
 
-What a generation does with these calls (drafting, proactive drafting,
-resuming, falling back) lives in edge_client/generation.py.
+What an answer does with these calls (drafting, proactive drafting,
+resuming, falling back) lives in edge_client/generation.py, which uses a
+client; the client knows nothing of answers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import grpc
 
 from specedge import wire
 from specedge.edge_client.channel import ChannelSecurity, open_channel
-from specedge.edge_client.drafting.base import DEFAULT_DRAFT_TOP_K, Drafter, TreeBudget
+from specedge.edge_client.rounds import DraftRound, OpenedSession, RoundReply, ServerInfo, StreamedTokens
 from specedge.ratelimit import TokenBucket
 from specedge.tokens import IncompatibleTokenizer, TokenizerFingerprint, check_compatible
 from specedge.types import SamplingParams
@@ -26,8 +27,6 @@ from specedge.v1 import specedge_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# A callback gets each batch of committed tokens; returning True stops the answer there (a stop string).
-TokenCallback = Callable[[Sequence[int]], "bool | None"]
 MAX_RETRIES = 3  # of a call refused with RESOURCE_EXHAUSTED and a retry-after-ms trailer
 MAX_RETRY_AFTER_MS = 10_000
 # Chooses the RPC on the stub of the moment (`lambda stub: stub.Verify`): a call goes out on the connection
@@ -64,49 +63,21 @@ class SessionGone(Lost):
 
 
 @dataclasses.dataclass(frozen=True)
-class EdgeConfig:
-    num_draft: int = 4  # draft tokens per round (chains)
-    max_new_tokens: int = 128
-    sampling: SamplingParams = SamplingParams()
-    # Sampled requests with a seed are drafted coupled to the target's noise and verified by matching: the
-    # output equals the seeded server-only run, whatever the drafts, the load or the batch. Without a seed,
-    # they go by rejection sampling (below): accepts more, follows the target's distribution, not reproducible.
-    seed: int | None = None
-    follow_advice: bool = True  # draft min(num_draft, the server's advice) tokens a round
-    # Unseeded sampled requests: draft by sampling from a top-k q and send q, so the server verifies by
-    # rejection sampling (accepts more than matching its samples); off: greedy drafts, verified by matching.
-    rejection_sampling: bool = True
-    draft_top_k: int = DEFAULT_DRAFT_TOP_K
-    # Stop a chain before the first draft token whose draft probability is below this (llama.cpp's --draft-p-min).
-    draft_p_min: float = 0.0
-    # Draft trees instead of chains (drafters with propose_tree, e.g. the torch drafter).
-    tree: TreeBudget | None = None
-    # Draft the next round while this one is verified (chains only).
-    proactive: bool = True
-    max_guesses: int = 3  # verify outcomes drafted ahead for, likeliest first
-    # When the draft model fails, or drafting is measured slower than the server
-    # alone, finish the answer server-only and say so in the stats.
-    slow_draft_fallback: bool = False
+class ConnectionConfig:
+    """How the edge reaches its server; what an answer asks of it is its SpeculationPolicy (policy.py)."""
+
+    security: ChannelSecurity = ChannelSecurity()  # TLS and the bearer token (edge_client/channel.py)
     rpc_timeout_s: float = 120.0  # per RPC; a verify round normally takes well under a second
-    # After a lost connection: how long to keep trying to reconnect and resume.
+    # After a lost connection: how long to keep trying to reconnect (backing off from 0.1 s to 5 s) and resume.
     reconnect_timeout_s: float = 30.0
     # An emulated network, injected on the edge side: each RPC waits rtt/2 each
     # way, plus uniform jitter in [0, jitter].
     simulated_rtt_ms: float = 0.0
     simulated_jitter_ms: float = 0.0
-    # Answers without a drafter: have the server draft this many tokens a round with
-    # its own draft model (specedge-server --draft-model), the server-side baseline.
-    server_draft_tokens: int = 0
 
     def __post_init__(self):
-        if self.num_draft < 0 or self.server_draft_tokens < 0:
-            raise ValueError(f"num_draft and server_draft_tokens must be >= 0, got {self.num_draft}, {self.server_draft_tokens}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0.0 <= self.draft_p_min <= 1.0:
-            raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min}")
-        if self.max_guesses < 1:
-            raise ValueError(f"max_guesses must be >= 1, got {self.max_guesses}")
+        if self.rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
         if min(self.simulated_rtt_ms, self.simulated_jitter_ms, self.reconnect_timeout_s) < 0:
             raise ValueError("simulated delays and the reconnect timeout must be >= 0")
 
@@ -153,9 +124,8 @@ class EdgeClient:
         address: str,
         fingerprint: TokenizerFingerprint,
         *,
-        config: EdgeConfig = EdgeConfig(),
+        config: ConnectionConfig = ConnectionConfig(),
         choose_address: Callable[[], Awaitable[str]] | None = None,
-        security: ChannelSecurity = ChannelSecurity(),
     ):
         self.address = address
         self.fingerprint = fingerprint
@@ -163,12 +133,11 @@ class EdgeClient:
         # Fleet discovery: asked which server to use on every (re)connect. With it, `abandon()` moves
         # this client off its server (draining, offline), and resumed sessions land where it points.
         self.choose_address = choose_address
-        self.security = security  # TLS and the bearer token (edge_client/channel.py)
         self._pace: TokenBucket | None = None  # the server's per-identity round rate, when it has one
         self._channel: grpc.aio.Channel | None = None
         self._stub: specedge_pb2_grpc.SpecEdgeStub | None = None
         self._lease: grpc.aio.UnaryStreamCall | None = None
-        self.server_info: pb.HandshakeResponse | None = None
+        self.server_info: ServerInfo | None = None
         self._rng = random.Random()
         self._left: asyncio.Future | None = None  # with choose_address: resolves to why this server must be left
         self._epoch = 0  # connections made; a failed call names the one it went out on, so answers share a reconnect
@@ -186,7 +155,7 @@ class EdgeClient:
         if self.choose_address is not None:
             self.address = await self.choose_address()
             self._left = asyncio.get_running_loop().create_future()
-        self._channel = open_channel(self.address, self.security)
+        self._channel = open_channel(self.address, self.config.security)
         self._stub = specedge_pb2_grpc.SpecEdgeStub(self._channel)
         await self.handshake()
         # The connection's lease: if this process dies, the server frees our slots at once.
@@ -335,35 +304,35 @@ class EdgeClient:
             await asyncio.sleep(delay_s)
         return await self._call(pick, request)
 
-    async def handshake(self) -> pb.HandshakeResponse:
+    async def handshake(self) -> ServerInfo:
         request = pb.HandshakeRequest(
             protocol_version=wire.PROTOCOL_VERSION,
             draft_tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             client_name="specedge-edge",
         )
-        reply = await self._call(lambda stub: stub.Handshake, request, wait_for_ready=False)
+        info = wire.server_info_from_proto(await self._call(lambda stub: stub.Handshake, request, wait_for_ready=False))
         try:  # the server checks too; checking here gives the same answer without trusting it
-            check_compatible(self.fingerprint, wire.fingerprint_from_proto(reply.target_tokenizer))
+            check_compatible(self.fingerprint, info.target_tokenizer)
         except IncompatibleTokenizer as exc:
-            raise EdgeError(f"draft is not compatible with the server's model {reply.model_name}: {exc}") from None
-        self.server_info = reply
-        if reply.limits.max_rounds_per_second > 0:
+            raise EdgeError(f"draft is not compatible with the server's model {info.model_name}: {exc}") from None
+        self.server_info = info
+        if info.limits.max_rounds_per_second > 0:
             # A tenth below the limit, so that jitter in when rounds reach the server never pushes one over.
-            self._pace = TokenBucket(0.9 * reply.limits.max_rounds_per_second, max(1, reply.limits.round_burst))
-        return reply
+            self._pace = TokenBucket(0.9 * info.limits.max_rounds_per_second, max(1, info.limits.round_burst))
+        return info
 
     # -- one method per RPC --------------------------------------------------
 
     async def open_session(
         self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams, seed: int | None
-    ) -> pb.OpenSessionResponse:
+    ) -> OpenedSession:
         request = pb.OpenSessionRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),
             prompt_token_ids=prompt,
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-        return await self._round(lambda stub: stub.OpenSession, request)
+        return wire.opened_from_proto(await self._round(lambda stub: stub.OpenSession, request))
 
     async def continue_session(
         self,
@@ -373,7 +342,7 @@ class EdgeClient:
         max_new_tokens: int,
         sampling: SamplingParams,
         seed: int | None,
-    ) -> pb.OpenSessionResponse:
+    ) -> OpenedSession:
         request = pb.ContinueSessionRequest(
             session_id=session_id,
             keep_tokens=keep_tokens,
@@ -381,10 +350,11 @@ class EdgeClient:
             max_new_tokens=max_new_tokens,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-        return await self._round(lambda stub: stub.ContinueSession, request)
+        return wire.opened_from_proto(await self._round(lambda stub: stub.ContinueSession, request))
 
-    async def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        return await self._round(lambda stub: stub.Verify, request)
+    async def verify(self, session_id: str, draft: DraftRound) -> RoundReply:
+        request = wire.draft_round_to_proto(session_id, draft)
+        return wire.round_reply_from_proto(await self._round(lambda stub: stub.Verify, request))
 
     async def close_session(self, session_id: str) -> None:
         """Free the server's slot; shielded so that a cancelled generation still frees it."""
@@ -403,7 +373,7 @@ class EdgeClient:
         sampling: SamplingParams,
         seed: int | None,
         server_draft_tokens: int = 0,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncIterator[StreamedTokens]:
         """Server-driven generation, one message per step, each delivered half a round trip after it left."""
         request = pb.GenerateRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),
@@ -424,7 +394,7 @@ class EdgeClient:
             async for reply, arrived in self._timestamped(call, epoch):
                 # Messages pipeline: each is due one way after it arrived, not after the one before.
                 await asyncio.sleep(max(0.0, arrived + self._one_way_s() - time.monotonic()))
-                yield reply
+                yield wire.streamed_from_proto(reply)
         except grpc.aio.AioRpcError as exc:
             raise _explain(exc, self.address, epoch) from None
         except asyncio.CancelledError:
@@ -465,24 +435,3 @@ class EdgeClient:
                 yield reply, arrived
         finally:
             reader.cancel()
-
-    # -- generation --------------------------------------------------------
-
-    async def generate(
-        self,
-        prompt: Sequence[int],
-        drafter: Drafter | None,
-        on_tokens: TokenCallback = lambda tokens: None,
-        *,
-        conversation=None,
-        config: EdgeConfig | None = None,
-        stats=None,
-    ):
-        """Speculative generation with `drafter`, or server-only when it is None; see generation.py.
-
-        `config` overrides the client's for this answer (e.g. a request's temperature). `stats`, a
-        GenerationStats, is filled in as the answer goes, for a caller that shows live figures.
-        """
-        from specedge.edge_client.generation import Generation
-
-        return await Generation(self, prompt, drafter, on_tokens, conversation, config or self.config, stats).run()

@@ -23,17 +23,14 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from specedge import wire
 from specedge.edge_client.client import (
     ConnectionLost,
     EdgeClient,
-    EdgeConfig,
     EdgeError,
     Lost,
     SessionGone,
-    TokenCallback,
 )
 from specedge.edge_client.drafting.base import (
     ChainBuilder,
@@ -42,18 +39,41 @@ from specedge.edge_client.drafting.base import (
     Drafter,
     DraftSampling,
     DraftTree,
+    TreeDrafter,
 )
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
 from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
+from specedge.edge_client.rounds import DraftRound, RoundReply
 from specedge.types import FinishReason, SamplingParams
-from specedge.v1 import specedge_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# A callback gets each batch of committed tokens; returning True stops the answer there (a stop string).
+TokenCallback = Callable[[Sequence[int]], "bool | None"]
 
 SLOW_FALLBACK_MIN_ROUNDS = 4  # rounds measured before deciding drafting does not pay
 # Sessions lost in a row with no token committed in between before the answer gives up: a server that
 # answers the handshake but refuses every session (draining, with nowhere else to go) must not loop forever.
 MAX_FRUITLESS_RECOVERIES = 3
+
+
+async def generate(
+    client: EdgeClient,
+    prompt: Sequence[int],
+    drafter: Drafter | None,
+    on_tokens: TokenCallback = lambda tokens: None,
+    *,
+    policy: SpeculationPolicy = SpeculationPolicy(),
+    conversation: Conversation | None = None,
+    stats: GenerationStats | None = None,
+) -> GenerationResult:
+    """One answer on `client`: speculative with `drafter`, or server-only when it is None.
+
+    `conversation` keeps the server session for the next turn; `stats` is filled in as the answer goes,
+    for a caller that shows live figures.
+    """
+    return await Generation(client, prompt, drafter, on_tokens, conversation, policy, stats).run()
 
 
 class _FallBack(Exception):
@@ -68,10 +88,10 @@ class Generation:
         drafter: Drafter | None,
         on_tokens: TokenCallback,
         conversation: Conversation | None,
-        config: EdgeConfig,
+        policy: SpeculationPolicy,
         stats: GenerationStats | None = None,
     ):
-        self.client, self.config = client, config
+        self.client, self.policy = client, policy
         self.prompt = list(prompt)
         self.drafter = drafter
         self.on_tokens = on_tokens
@@ -82,8 +102,8 @@ class Generation:
         self.session_id: str | None = None
         self._session_base = 0  # answer tokens that were the current session's prompt (after a resume)
         self._advised = 0
-        self._max_draft = self.config.num_draft
-        self._draft_sampling = _draft_sampling(config)
+        self._max_draft = self.policy.num_draft
+        self._draft_sampling = _draft_sampling(policy)
         self._depth = DepthEstimator()
         self._server_ms_per_round: float | None = None  # smoothed, for the slow-draft fallback
         self._max_draft_nodes = 0  # the server's limit, learnt when the session opens
@@ -91,8 +111,8 @@ class Generation:
 
     async def run(self) -> GenerationResult:
         started = time.perf_counter()
-        wants_drafts = self.drafter is not None and (self.config.num_draft > 0 or self.config.tree is not None)
-        if self.config.tree is not None and self.drafter is not None and not hasattr(self.drafter, "propose_tree"):
+        wants_drafts = self.drafter is not None and (self.policy.num_draft > 0 or self.policy.tree is not None)
+        if self.policy.tree is not None and self.drafter is not None and not isinstance(self.drafter, TreeDrafter):
             raise EdgeError("tree drafting needs a drafter that drafts trees (the torch drafter); use chains")
         keep_session = False
         try:
@@ -138,15 +158,15 @@ class Generation:
     async def _round(self, worker: DraftWorker, ready: DraftChain | None) -> DraftChain | None:
         """One verify round; returns the next round's chain if it was drafted ahead and came true."""
         context = [*self.prompt, *self.tokens]
-        request, chain = await self._draft(worker, context, ready)
+        draft, chain = await self._draft(worker, context, ready)
         proactive = None
-        if chain is not None and chain.token_ids and self.config.proactive:
-            proactive = ProactiveRound(worker, self._draft_sampling, self.config.draft_p_min)
+        if chain is not None and chain.token_ids and self.policy.proactive:
+            proactive = ProactiveRound(worker, self._draft_sampling, self.policy.draft_p_min)
             depth = self._depth.tokens_per_wait(cap=max(1, self._wanted_draft()))
-            proactive.start(context, chain, guess_outcomes(chain, self.config.max_guesses), depth)
+            proactive.start(context, chain, guess_outcomes(chain, self.policy.max_guesses), depth)
         sent = time.perf_counter()
         try:
-            reply = await self.client.verify(request)
+            reply = await self.client.verify(self.session_id, draft)
         except BaseException:
             if proactive is not None:
                 await proactive.finish(())  # the drafter must be idle before anything else uses it
@@ -157,13 +177,13 @@ class Generation:
         predraft = None
         if proactive is not None:
             predraft = await proactive.finish(reply.token_ids)
-            if reply.finish_reason != pb.FINISH_REASON_NONE:
+            if reply.finish is not FinishReason.NONE:
                 predraft = None  # no next round to use it in
             elif predraft is not None and not predraft.chain.token_ids:
                 predraft = None  # guessed right, but the reply came before anything was drafted
             self.stats.proactive_rounds += 1
             self.stats.proactive_hits += predraft is not None
-        self._commit_round(request, reply)
+        self._commit_round(draft, reply)
         if self.finish is FinishReason.NONE:  # a finished answer is no fallback, and keeps its session
             self._check_speed(reply)
         if predraft is None or self.finish is not FinishReason.NONE:
@@ -173,13 +193,13 @@ class Generation:
         return predraft.chain
 
     def _wanted_draft(self) -> int:
-        return min(self._max_draft, self._advised) if self.config.follow_advice else self._max_draft
+        return min(self._max_draft, self._advised) if self.policy.follow_advice else self._max_draft
 
     async def _draft(self, worker: DraftWorker, context: list[int], ready: DraftChain | None):
-        """This round's VerifyRequest, and its chain (None for a tree)."""
+        """This round's drafts, and its chain (None for a tree)."""
         drafted = time.perf_counter()
         try:
-            if self.config.tree is not None:
+            if self.policy.tree is not None:
                 tree = await self._draft_tree(worker, context)
                 chain, token_ids, parents, dists = None, tree.token_ids, tree.parents, ()
             else:
@@ -191,14 +211,8 @@ class Generation:
         self.stats.visible_draft_ms += draft_s * 1e3
         if ready is None:
             self._depth.observe_draft(draft_s, len(token_ids))
-        request = pb.VerifyRequest(
-            session_id=self.session_id,
-            draft_token_ids=token_ids,
-            draft_parents=parents,
-            num_generated=len(self.tokens) - self._session_base,
-            draft_probs=wire.dists_to_proto(dists),
-        )
-        return request, chain
+        num_generated = len(self.tokens) - self._session_base
+        return DraftRound(token_ids, num_generated, parents, dists), chain
 
     async def _draft_chain(self, worker: DraftWorker, context: list[int], ready: DraftChain | None) -> DraftChain:
         # Advice 0 means drafting does not pay right now: the round carries no
@@ -212,35 +226,34 @@ class Generation:
                 [*context, *chain.token_ids],
                 wanted - len(chain.token_ids),
                 self._draft_sampling,
-                self.config.draft_p_min,
+                self.policy.draft_p_min,
             )
             chain = concat(chain, more)
         return chain
 
-    async def _draft_tree(self, worker: DraftWorker, context: list[int]):
-        budget = self.config.tree
+    async def _draft_tree(self, worker: DraftWorker, context: list[int]) -> DraftTree:
+        budget, drafter = self.policy.tree, self.drafter
         # The advice follows this session's share of the server's step: nodes past it would be cut.
-        max_nodes = min(self._max_draft_nodes, self._advised) if self.config.follow_advice else self._max_draft_nodes
-        if max_nodes == 0:
-            budget = None
-        elif budget.max_nodes > max_nodes:
-            budget = dataclasses.replace(budget, max_nodes=max_nodes)
-        if budget is None:
+        max_nodes = min(self._max_draft_nodes, self._advised) if self.policy.follow_advice else self._max_draft_nodes
+        # run() refused a tree policy for a drafter that drafts only chains.
+        if budget is None or not isinstance(drafter, TreeDrafter) or max_nodes == 0:
             return DraftTree((), (), ())
-        return await worker.run(self.drafter.propose_tree, context, budget, self.config.draft_p_min)
+        if budget.max_nodes > max_nodes:
+            budget = dataclasses.replace(budget, max_nodes=max_nodes)
+        return await worker.run(drafter.propose_tree, context, budget, self.policy.draft_p_min)
 
-    def _commit_round(self, request: pb.VerifyRequest, reply: pb.VerifyResponse) -> None:
+    def _commit_round(self, draft: DraftRound, reply: RoundReply) -> None:
         self.stats.rounds += 1
-        self.stats.draft_tokens += len(request.draft_token_ids)
+        self.stats.draft_tokens += len(draft.token_ids)
         self.stats.accepted_tokens += len(reply.accepted_nodes)
-        num_drafted = len(request.draft_token_ids)
-        self.stats.cut_nodes += num_drafted - wire.verified_nodes_from_proto(reply, num_drafted)
+        verified = len(draft.token_ids) if reply.num_verified_nodes is None else reply.num_verified_nodes
+        self.stats.cut_nodes += len(draft.token_ids) - verified
         self._advised = reply.advised_draft_tokens
-        self._commit(reply.token_ids, wire.finish_from_proto(reply.finish_reason))
+        self._commit(reply.token_ids, reply.finish)
 
-    def _check_speed(self, reply: pb.VerifyResponse) -> None:
+    def _check_speed(self, reply: RoundReply) -> None:
         """Fall back when the measured speculative time per token exceeds the server's time per round."""
-        if not self.config.slow_draft_fallback or not reply.token_ids:
+        if not self.policy.slow_draft_fallback or not reply.token_ids:
             return
         # Server-only decoding costs about one step per token (no round trip);
         # a round's step carries more tokens, so this errs towards drafting.
@@ -258,7 +271,7 @@ class Generation:
 
     async def _open(self, started: float) -> None:
         """Open a session for the prompt, or continue the conversation's with only the new tokens."""
-        remaining = self.config.max_new_tokens - len(self.tokens)
+        remaining = self.policy.max_new_tokens - len(self.tokens)
         prompt = [*self.prompt, *self.tokens]
         opened = None
         if self.conversation is not None and self.conversation.session_id is not None:
@@ -268,7 +281,7 @@ class Generation:
         self.session_id = opened.session_id
         self._session_base = len(self.tokens)
         self._advised = opened.advised_draft_tokens
-        self._max_draft = min(self.config.num_draft, opened.limits.max_draft_tokens)
+        self._max_draft = min(self.policy.num_draft, opened.limits.max_draft_tokens)
         self._max_draft_nodes = opened.limits.max_draft_tokens
         # A q sent for rejection sampling is no wider than the server accepts.
         if isinstance(self._draft_sampling, DraftSampling) and opened.limits.max_draft_prob_tokens:
@@ -276,7 +289,7 @@ class Generation:
             self._draft_sampling = dataclasses.replace(self._draft_sampling, top_k=top_k)
         if not self.tokens:
             self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
-        self._commit([opened.first_token_id], wire.finish_from_proto(opened.finish_reason))
+        self._commit([opened.first_token_id], opened.finish)
 
     async def _continue(self, conversation: Conversation, prompt: list[int], remaining: int):
         """The conversation's session continued with only the new tokens; None when it cannot be, its slot freed.
@@ -326,8 +339,8 @@ class Generation:
         """The server decodes the rest alone (from the start, or after a fallback), resuming if the stream breaks."""
         while self.finish is FinishReason.NONE:
             prompt = [*self.prompt, *self.tokens]
-            remaining = self.config.max_new_tokens - len(self.tokens)
-            stream = self.client.generate_stream(prompt, remaining, *self._sampling(), self.config.server_draft_tokens)
+            remaining = self.policy.max_new_tokens - len(self.tokens)
+            stream = self.client.generate_stream(prompt, remaining, *self._sampling(), self.policy.server_draft_tokens)
             try:
                 async with contextlib.aclosing(stream):  # leaving early (a stop string) cancels the call
                     async for reply in stream:
@@ -335,14 +348,14 @@ class Generation:
                             self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
                         elif reply.token_ids:
                             self.stats.rounds += 1
-                        self._commit(reply.token_ids, wire.finish_from_proto(reply.finish_reason))
+                        self._commit(reply.token_ids, reply.finish)
                         if self.finish is not FinishReason.NONE:
                             break
             except Lost as exc:
                 await self._recover(exc)
 
     def _sampling(self) -> tuple[SamplingParams, int | None]:
-        return self.config.sampling, self.config.seed
+        return self.policy.sampling, self.policy.seed
 
     def _commit(self, token_ids: Sequence[int], finish: FinishReason) -> None:
         if token_ids:
@@ -353,7 +366,7 @@ class Generation:
             self.finish = FinishReason.STOP  # the caller saw a stop string
 
 
-def _draft_sampling(config: EdgeConfig) -> DraftSampling | CoupledSampling | None:
+def _draft_sampling(policy: SpeculationPolicy) -> DraftSampling | CoupledSampling | None:
     """How a chain's drafts are drawn, which decides how the server verifies them.
 
     Greedy requests draft greedily. A seeded sampled request drafts coupled to
@@ -363,12 +376,12 @@ def _draft_sampling(config: EdgeConfig) -> DraftSampling | CoupledSampling | Non
     for rejection sampling, which accepts more (or, with rejection sampling
     off, drafts greedily for matching).
     """
-    if config.sampling.greedy:
+    if policy.sampling.greedy:
         return None
-    if config.seed is not None:
-        return CoupledSampling(config.sampling, config.seed)  # the seed the server samples with (_sampling)
-    if config.rejection_sampling:
-        return DraftSampling(config.sampling.temperature, config.draft_top_k, secrets.randbits(63))
+    if policy.seed is not None:
+        return CoupledSampling(policy.sampling, policy.seed)  # the seed the server samples with (_sampling)
+    if policy.rejection_sampling:
+        return DraftSampling(policy.sampling.temperature, policy.draft_top_k, secrets.randbits(63))
     return None
 
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from specedge.edge_client.answer import AnswerResult, answer
-from specedge.edge_client.client import ConnectionLost, EdgeConfig, EdgeError
+from specedge.edge_client.client import ConnectionLost, EdgeError
 from specedge.edge_client.openai_schema import (
     APIError,
     ChatCompletionRequest,
@@ -33,6 +33,7 @@ from specedge.edge_client.openai_schema import (
     Shape,
     usage,
 )
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.runtime import EdgeRuntime
 from specedge.types import SamplingParams
 
@@ -117,8 +118,8 @@ class EdgeAPI:
                 param="model", code="model_not_found",
             )  # fmt: skip
 
-    def edge_config(self, request: GenerationRequest, num_prompt_tokens: int, param: str) -> EdgeConfig:
-        """The runtime's config with this request's sampling and length."""
+    def policy(self, request: GenerationRequest, num_prompt_tokens: int, param: str) -> SpeculationPolicy:
+        """The runtime's policy with this request's sampling and length."""
         max_context = self.runtime.client.server_info.limits.max_context_tokens
         if not num_prompt_tokens:
             raise APIError(400, f"{param}: the prompt is empty", param=param)
@@ -127,7 +128,7 @@ class EdgeAPI:
                 400, f"{param}: the prompt has {num_prompt_tokens} tokens; the server's context holds {max_context} "
                 "(prompt and answer together)", param=param, code="context_length_exceeded",
             )  # fmt: skip
-        base = self.runtime.config.edge
+        base = self.runtime.config.policy
         sampling = SamplingParams(
             temperature=_given(request.temperature, base.sampling.temperature),
             top_p=_given(request.top_p, base.sampling.top_p),
@@ -156,11 +157,11 @@ class EdgeAPI:
 
     async def respond(self, http: Request, request: GenerationRequest, prompt: list[int], shape: Shape) -> Response:
         """One answer, as one JSON completion or as an SSE stream of chunks."""
-        config = self.edge_config(request, len(prompt), shape.prompt_param)
+        policy = self.policy(request, len(prompt), shape.prompt_param)
         head = {"id": f"{shape.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
                 "model": self.runtime.model_name}  # fmt: skip
         pieces: asyncio.Queue[str | None] = asyncio.Queue()  # each burst's text; None once the answer is over
-        work = asyncio.ensure_future(answer(self.runtime, prompt, config, request.stops, pieces.put_nowait))
+        work = asyncio.ensure_future(answer(self.runtime, prompt, policy, request.stops, pieces.put_nowait))
         work.add_done_callback(lambda _: pieces.put_nowait(None))
         if not request.stream:
             result = await _unless_disconnected(http, work, work)

@@ -15,9 +15,10 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from specedge.edge_client.channel import ChannelSecurity
-from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, TokenCallback
-from specedge.edge_client.generation import Conversation, GenerationResult, GenerationStats
+from specedge.edge_client.client import ConnectionConfig, ConnectionLost, EdgeClient
+from specedge.edge_client.generation import TokenCallback, generate
+from specedge.edge_client.policy import SpeculationPolicy
+from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
 
 if TYPE_CHECKING:
     from specedge.fleet.discovery import DiscoveryConfig, FleetRouter
@@ -29,14 +30,14 @@ log = logging.getLogger(__name__)
 class RuntimeConfig:
     server: str | None  # HOST:PORT of specedge-server; with discovery, the fallback (None: no fallback)
     draft: str  # built-in name, .gguf file or HF directory: the tokenizer, and the drafter unless server_only
-    edge: EdgeConfig = EdgeConfig()
+    policy: SpeculationPolicy = SpeculationPolicy()  # each answer's, unless it brings its own
+    connection: ConnectionConfig = ConnectionConfig()  # timeouts, TLS and the token, an emulated network
     server_only: bool = False  # no draft model: the server generates alone
     threads: int | None = None  # CPU threads per drafter (llama.cpp)
     num_drafters: int = 1  # answers that draft at the same time; more wait for a free drafter
     # Choose the server through a fleet broker (specedge.fleet.discovery.DiscoveryConfig), and move
     # answers off a server that drains or goes offline.
     discovery: DiscoveryConfig | None = None
-    security: ChannelSecurity = ChannelSecurity()  # TLS and the bearer token
 
     def __post_init__(self):
         if self.num_drafters < 1:
@@ -79,10 +80,8 @@ class EdgeRuntime:
                 await self.router.start()
             choose = self.router.choose_address
         fingerprint = self.tokenizer.fingerprint
-        self.client = EdgeClient(
-            self.config.server or "", fingerprint, config=self.config.edge, choose_address=choose,
-            security=self.config.security,
-        )  # fmt: skip
+        address, connection = self.config.server or "", self.config.connection
+        self.client = EdgeClient(address, fingerprint, config=connection, choose_address=choose)
         if self.router is not None:
             self.router.follow(self.client)
         while True:
@@ -157,20 +156,21 @@ class EdgeRuntime:
         on_tokens: TokenCallback = lambda tokens: None,
         *,
         conversation: Conversation | None = None,
-        config: EdgeConfig | None = None,
+        policy: SpeculationPolicy | None = None,
         stats: GenerationStats | None = None,
     ) -> GenerationResult:
-        """One answer; `stats`, when given, is filled in as it goes (live figures for a UI)."""
-        options = dict(conversation=conversation, config=config, stats=stats)
+        """One answer, by `policy` (default: the runtime's); `stats`, when given, is filled in as it goes
+        (live figures for a UI)."""
+        options = dict(policy=policy or self.config.policy, conversation=conversation, stats=stats)
         await self.client.ensure_connected()  # the server was left (draining, offline): start elsewhere
         if not self._all_drafters:
-            result = await self.client.generate(prompt, None, on_tokens, **options)
+            result = await generate(self.client, prompt, None, on_tokens, **options)
             if self.draft_unavailable and not self.config.server_only:
                 result.stats.fallback = self.draft_unavailable
         else:
             drafter = await self._drafters.get()
             try:
-                result = await self.client.generate(prompt, drafter, on_tokens, **options)
+                result = await generate(self.client, prompt, drafter, on_tokens, **options)
             finally:
                 self._drafters.put_nowait(drafter)
         if self.router is not None:

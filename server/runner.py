@@ -92,6 +92,8 @@ class Runner(Protocol):
 
 
 class ModelRunner:
+    """A Runner on one device: the model, its KV cache, the packed layout of each step."""
+
     def __init__(self, model: CausalLM, kv: KVCache):
         self.model = model
         self.kv = kv

@@ -1,6 +1,6 @@
 """Rank 0's runner under tensor parallelism, and the loop every other rank runs.
 
-Rank 0 keeps ModelRunner's interface (`forward`, `move_kv`), so the engine does
+Rank 0 is a Runner (server/runner.py: `forward`, `move_kv`) like ModelRunner, so the engine does
 not know about ranks. Each call is first broadcast to the other ranks as one
 small int64 message (the requests themselves, not the batch layout: every rank
 builds the same layout from them), then every rank runs it on its shard. The
@@ -147,7 +147,7 @@ class RankGroupHandle(Protocol):
 
 
 class TensorParallelRunner:
-    """ModelRunner's interface on rank 0: each call runs on every rank, in the same order."""
+    """The Runner on rank 0: each call runs on every rank, in the same order."""
 
     def __init__(self, local: ModelRunner, group: RankGroupHandle):
         self.local = local  # rank 0's shard and its KV

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from specedge.edge_client.rounds import (
+    DraftRound,
+    OpenedSession,
+    RoundReply,
+    RoundTiming,
+    ServerInfo,
+    ServerLimits,
+    StreamedTokens,
+)
 from specedge.tokens import TokenizerFingerprint
 from specedge.types import FinishReason, SamplingParams, SparseDist
 from specedge.v1 import specedge_pb2 as pb
@@ -78,3 +89,59 @@ def dists_to_proto(dists) -> list[pb.SparseDistribution]:
 def dists_from_proto(msgs) -> tuple[SparseDist, ...]:
     """Raises ValueError with a user-facing message on a malformed distribution."""
     return tuple(SparseDist(msg.token_ids, msg.probs) for msg in msgs)
+
+
+# -- the edge's side: its typed requests out, the server's replies in (edge_client/rounds.py) --
+
+
+def draft_round_to_proto(session_id: str, draft: DraftRound) -> pb.VerifyRequest:
+    return pb.VerifyRequest(
+        session_id=session_id,
+        draft_token_ids=draft.token_ids,
+        draft_parents=draft.parents,
+        num_generated=draft.num_generated,
+        draft_probs=dists_to_proto(draft.dists),
+    )
+
+
+def limits_from_proto(msg: pb.ServerLimits) -> ServerLimits:
+    # Field for field, by name (tests/test_wire.py checks the two declare the same fields).
+    return ServerLimits(**{field.name: getattr(msg, field.name) for field in dataclasses.fields(ServerLimits)})
+
+
+def server_info_from_proto(msg: pb.HandshakeResponse) -> ServerInfo:
+    return ServerInfo(
+        protocol_version=msg.protocol_version,
+        server_version=msg.server_version,
+        model_name=msg.model_name,
+        target_tokenizer=fingerprint_from_proto(msg.target_tokenizer),
+        limits=limits_from_proto(msg.limits),
+    )
+
+
+def opened_from_proto(msg: pb.OpenSessionResponse) -> OpenedSession:
+    return OpenedSession(
+        session_id=msg.session_id,
+        first_token_id=msg.first_token_id,
+        finish=finish_from_proto(msg.finish_reason),
+        limits=limits_from_proto(msg.limits),
+        advised_draft_tokens=msg.advised_draft_tokens,
+    )
+
+
+def round_reply_from_proto(msg: pb.VerifyResponse) -> RoundReply:
+    timing = msg.timing
+    return RoundReply(
+        accepted_nodes=tuple(msg.accepted_nodes),
+        token_ids=tuple(msg.token_ids),
+        finish=finish_from_proto(msg.finish_reason),
+        num_generated=msg.num_generated,
+        advised_draft_tokens=msg.advised_draft_tokens,
+        timing=RoundTiming(timing.queue_ms, timing.forward_ms, timing.batch_size, timing.batch_tokens),
+        # Unset by a server older than the field, which verified every node it was sent.
+        num_verified_nodes=msg.num_verified_nodes if msg.HasField("num_verified_nodes") else None,
+    )
+
+
+def streamed_from_proto(msg: pb.GenerateResponse) -> StreamedTokens:
+    return StreamedTokens(token_ids=tuple(msg.token_ids), finish=finish_from_proto(msg.finish_reason))

@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 
 from specedge.server.app import ServerConfig, SpecEdgeServer
-from specedge.server.runner import ModelRunner
+from specedge.server.runner import Runner
 
 
 class ServerThread:
@@ -26,7 +26,7 @@ class ServerThread:
     seam through which a test injects faults into the batched forward.
     """
 
-    def __init__(self, config: ServerConfig, wrap_runner: Callable[[ModelRunner], ModelRunner] | None = None):
+    def __init__(self, config: ServerConfig, wrap_runner: Callable[[Runner], Runner] | None = None):
         self.server = SpecEdgeServer(config)
         if wrap_runner is not None:
             self.server.engine.stepper.runner = wrap_runner(self.server.engine.stepper.runner)

@@ -69,7 +69,7 @@ class FakeRuntime:
     def __init__(self, bursts, finish):
         self.bursts, self.finish = bursts, finish
 
-    async def generate(self, prompt, on_tokens, *, config=None):
+    async def generate(self, prompt, on_tokens, *, policy=None):
         committed = []
         for burst in self.bursts:
             committed += burst

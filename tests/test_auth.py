@@ -22,7 +22,9 @@ from raw_edge import PROMPT, Edge, status_of, until
 from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.channel import ChannelSecurity, open_channel
-from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
+from specedge.edge_client.client import ConnectionConfig, EdgeClient, EdgeError
+from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.auth import make_token, parse_token_file
@@ -196,11 +198,11 @@ def test_edge_client_over_mutual_tls_with_a_token_is_lossless(
     expected = greedy_decode(AutoModelForCausalLM.from_pretrained(tiny_target_dir), PROMPT, 20, {2})
 
     async def run():
-        config = EdgeConfig(num_draft=4, max_new_tokens=20)
-        security = edge_security(pki, tokens["bob"])
-        async with EdgeClient(mtls_server.address, fingerprint, config=config, security=security) as client:
+        policy = SpeculationPolicy(num_draft=4, max_new_tokens=20)
+        connection = ConnectionConfig(security=edge_security(pki, tokens["bob"]))
+        async with EdgeClient(mtls_server.address, fingerprint, config=connection) as client:
             limits = client.server_info.limits
-            return await client.generate(PROMPT, TorchDrafter(tiny_draft_dir)), limits
+            return await generate(client, PROMPT, TorchDrafter(tiny_draft_dir), policy=policy), limits
 
     result, limits = asyncio.run(run())
     assert result.token_ids == expected and result.stats.accepted_tokens > 0
@@ -313,7 +315,7 @@ def test_attach_streams_are_capped_per_identity_over_all_its_connections(tiny_ta
 
 def test_edge_reports_a_refused_token_in_one_line(mtls_server, pki, fingerprint):
     async def run():
-        async with EdgeClient(mtls_server.address, fingerprint, security=edge_security(pki, "se_nope")):
+        async with EdgeClient(mtls_server.address, fingerprint, config=ConnectionConfig(edge_security(pki, "se_nope"))):
             pass
 
     started = time.monotonic()

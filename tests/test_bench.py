@@ -63,6 +63,24 @@ def test_simulated_drafter_knows_the_truth_only_on_the_reference_path():
     assert SimulatedDrafter(FINGERPRINT, [hopeless]).propose([*PROMPT, *REFERENCE[:5]], 3, min_prob=0.1).token_ids == ()
 
 
+def test_a_cells_round_trip_reaches_its_edges(tiny_target_dir):
+    """Each edge of a cell waits the cell's emulated RTT: the first token is at least one round trip away."""
+    tokenizer = HFTokenizer(tiny_target_dir)
+    config = BenchConfig(target=str(tiny_target_dir), draft=str(tiny_target_dir), modes=("ar",), max_tokens=4)
+    job = Job(0, "p0", "code", tuple(tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}])))
+    with tiny_server(str(tiny_target_dir), max_sessions=2) as server:
+
+        async def ttft_ms(rtt_ms: float) -> float:
+            _, [result] = await run_cell(Cell("ar", 1, rtt_ms), server.address, tokenizer.fingerprint, config, [[job]], [])
+            return result.ttft_ms
+
+        async def run():
+            return await ttft_ms(0.0), await ttft_ms(400.0)
+
+        direct, far = asyncio.run(run())
+    assert far >= 400.0 > direct
+
+
 def test_profile_round_trips_and_refuses_a_profile_without_a_fallback(tmp_path):
     profile = AcceptanceProfile("d", "t", {"all": CategoryProfile((0.8, 0.5), 0.3, 10)}, 0.002, 0.04, {"k": 1})
     path = tmp_path / "p.json"

@@ -9,19 +9,22 @@ by default) and counts against the identity's cap on open sessions.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
 
 from harness import tiny_server
 from reference import greedy_decode
-from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
+from specedge.edge_client.client import EdgeClient, EdgeError
 from specedge.edge_client.drafting.base import DraftChain
-from specedge.edge_client.generation import SLOW_FALLBACK_MIN_ROUNDS, Conversation
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.generation import SLOW_FALLBACK_MIN_ROUNDS, Conversation, generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 
 MAX_CONTEXT = 128
+EIGHT_TOKENS = SpeculationPolicy(max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +51,17 @@ def test_a_refused_turn_closes_the_conversations_session(server, tokenizer, tiny
     first = chat_prompt(tokenizer, "def add(a, b):")
 
     async def run():
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             conversation = Conversation()
-            await client.generate(first, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            answer = functools.partial(generate, client, policy=EIGHT_TOKENS, conversation=conversation)
+            await answer(first, TorchDrafter(tiny_draft_dir))
             kept = open_sessions(server)
             assert kept == [conversation.session_id]  # the conversation holds its session between turns
             # The next turn outgrows the server's context: ContinueSession is refused.
             too_long = [*conversation.tokens, *tokenizer.encode("print(i * i)\n" * 40)]
             assert len(too_long) >= MAX_CONTEXT
             with pytest.raises(EdgeError, match="INVALID_ARGUMENT"):
-                await client.generate(too_long, TorchDrafter(tiny_draft_dir), conversation=conversation)
+                await answer(too_long, TorchDrafter(tiny_draft_dir))
             return conversation, open_sessions(server)
 
     conversation, left_open = asyncio.run(run())
@@ -69,13 +73,14 @@ def test_a_turn_with_nothing_in_common_replaces_the_session(server, tokenizer, t
     assert first[0] != unrelated[0]  # keep == 0: nothing of the held session can be reused
 
     async def run():
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             conversation = Conversation()
-            await client.generate(first, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            answer = functools.partial(generate, client, policy=EIGHT_TOKENS, conversation=conversation)
+            await answer(first, TorchDrafter(tiny_draft_dir))
             old = conversation.session_id
             # With one session per identity, the new session is refused unless the old one was closed first.
             started = time.monotonic()
-            result = await client.generate(unrelated, TorchDrafter(tiny_draft_dir), conversation=conversation)
+            result = await answer(unrelated, TorchDrafter(tiny_draft_dir))
             return old, conversation, result, time.monotonic() - started, open_sessions(server)
 
     old, conversation, result, took_s, left_open = asyncio.run(run())
@@ -106,14 +111,15 @@ def test_an_answer_that_finishes_on_the_round_that_measures_it_slow_is_no_fallba
     expected = greedy_decode(reference_model, prompt, num_tokens, set(tokenizer.eos_token_ids))
     assert len(expected) == num_tokens
     wrong = next(t for t in range(10, 100) if t not in expected)
-    config = EdgeConfig(max_new_tokens=num_tokens, num_draft=1, slow_draft_fallback=True, proactive=False,
-                        follow_advice=False)  # fmt: skip
+    policy = SpeculationPolicy(
+        max_new_tokens=num_tokens, num_draft=1, slow_draft_fallback=True, proactive=False, follow_advice=False
+    )
 
     async def run():
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             conversation = Conversation()
             drafter = WrongDrafter(tokenizer.fingerprint, wrong, delay_s=0.1)
-            result = await client.generate(prompt, drafter, conversation=conversation)
+            result = await generate(client, prompt, drafter, policy=policy, conversation=conversation)
             return result, conversation, open_sessions(server)
 
     result, conversation, held = asyncio.run(run())

@@ -20,7 +20,7 @@ from PySide6.QtWidgets import QInputDialog, QMessageBox
 
 from specedge import registry
 from specedge.edge_client.channel import ChannelSecurity
-from specedge.edge_client.client import EdgeConfig
+from specedge.edge_client.client import ConnectionConfig
 from specedge.edge_client.desktop import stats as figures
 from specedge.edge_client.desktop import worker as outcomes
 from specedge.edge_client.desktop.settings import ChatSettings, load_settings, save_settings
@@ -28,6 +28,7 @@ from specedge.edge_client.desktop.settings_panel import SettingsPanel
 from specedge.edge_client.desktop.store import DONE, INTERRUPTED, STOPPED, STREAMING, ChatStore
 from specedge.edge_client.desktop.window import DesktopConfig, MainWindow
 from specedge.edge_client.desktop.worker import State, WorkerConfig
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig
 from specedge.server.app import ServerConfig
 from specedge.server.auth import make_token
@@ -48,7 +49,7 @@ def server(tiny_target_dir):
 
 def open_window(qtbot, data_dir, address, draft, *, max_tokens=MAX_TOKENS, settings=True, **worker) -> MainWindow:
     """settings: True, these address/draft/max_tokens; False, the remembered ones; or ChatSettings fields to add."""
-    worker.setdefault("edge", EdgeConfig(slow_draft_fallback=False))  # tiny drafts are not slow, just tiny
+    worker.setdefault("policy", SpeculationPolicy(slow_draft_fallback=False))  # tiny drafts are not slow, just tiny
     chosen = None
     if settings:
         more = settings if isinstance(settings, dict) else {}
@@ -91,8 +92,8 @@ class Heartbeat:
 
 def server_only_text(address, draft, messages, max_tokens, security=ChannelSecurity()) -> str:
     async def run():
-        config = EdgeConfig(max_new_tokens=max_tokens)
-        runtime = EdgeRuntime(RuntimeConfig(address, str(draft), config, server_only=True, security=security))
+        policy, connection = SpeculationPolicy(max_new_tokens=max_tokens), ConnectionConfig(security=security)
+        runtime = EdgeRuntime(RuntimeConfig(address, str(draft), policy, connection, server_only=True))
         await runtime.start()
         try:
             result = await runtime.generate(runtime.chat_prompt(messages))
@@ -138,8 +139,9 @@ def test_streamed_answer_equals_server_only(qtbot, tmp_path, server, tiny_draft_
 def test_stop_cancels_and_frees_the_server_slot(qtbot, tmp_path, server, tiny_draft_dir):
     # An answer long enough to stop halfway. It drafts whatever the server advises: on a crowded CPU the
     # advice can turn drafting off, and the answer would then never reach the draft tokens waited for.
-    slow = EdgeConfig(simulated_rtt_ms=60, reconnect_timeout_s=2, follow_advice=False)
-    window = open_window(qtbot, tmp_path, server.address, tiny_draft_dir, max_tokens=400, edge=slow)
+    slow = ConnectionConfig(simulated_rtt_ms=60, reconnect_timeout_s=2)
+    options = dict(max_tokens=400, connection=slow, policy=SpeculationPolicy(follow_advice=False))
+    window = open_window(qtbot, tmp_path, server.address, tiny_draft_dir, **options)
     wait_state(qtbot, window, State.CONNECTED)
     qtbot.keyClicks(window.input, "The quick brown fox")
     heartbeat = Heartbeat()
@@ -166,7 +168,7 @@ def test_offline_then_reconnect_and_partial_answers_kept(qtbot, tmp_path, tiny_t
     port = free_port()
     address = f"127.0.0.1:{port}"
     window = open_window(qtbot, tmp_path, address, tiny_draft_dir, max_tokens=400,
-                         edge=EdgeConfig(reconnect_timeout_s=1.0, simulated_rtt_ms=60), **FAST)  # fmt: skip
+                         connection=ConnectionConfig(reconnect_timeout_s=1.0, simulated_rtt_ms=60), **FAST)  # fmt: skip
     wait_state(qtbot, window, State.OFFLINE)
     assert "cannot reach the server" in window.connection.label.text()
     assert window.connection.reconnect_button.isVisible() and not window.send_button.isEnabled()
@@ -494,7 +496,7 @@ def test_real_pair_answer_and_screenshot(qtbot, tmp_path):
     process, address = start_server_process("--model", "qwen2.5-coder-1.5b", "--max-sessions", "2")
     try:
         window = open_window(qtbot, tmp_path, address, "qwen2.5-coder-0.5b", max_tokens=REAL_MAX_TOKENS,
-                             edge=EdgeConfig())  # fmt: skip
+                             policy=SpeculationPolicy(), connection=ConnectionConfig())  # fmt: skip
         wait_state(qtbot, window, State.CONNECTED, timeout=300_000)
         assert "qwen" in window.connection.label.text().lower()
         with qtbot.waitSignal(window.answer_ended, timeout=600_000) as ended:

@@ -9,6 +9,7 @@ logits, for reproducibility, and for following that distribution.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import importlib.resources
@@ -22,9 +23,14 @@ from p_min import confident_length, keeps_an_unlikely_draw, min_prob_between
 from test_rejection import MIN_P_VALUE, chi_square_p_value
 from transformers import AutoModelForCausalLM
 
+from specedge.bench.edges import timed
+from specedge.bench.simulated import SimulatedDrafter
+from specedge.edge_client.client import EdgeClient, EdgeError
 from specedge.edge_client.drafting import DraftChain, load_drafter
-from specedge.edge_client.drafting.base import DraftSampling, SparseDist, draw, sample_top_k
+from specedge.edge_client.drafting.base import DraftSampling, SparseDist, TreeBudget, TreeDrafter, draw, sample_top_k
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer, load_tokenizer
 from specedge.registry import ResolvedModel
 from specedge.server.rejection import verify_chain_by_rejection
@@ -148,6 +154,23 @@ def test_load_drafter_dispatches_on_format(tiny_target_dir, prompt_ids):
     assert len(drafter.propose(prompt_ids, 3).token_ids) == 3
     with pytest.raises(ValueError, match="no drafter for model format 'onnx'"):
         load_drafter(ResolvedModel(name="tiny", format="onnx", path=tiny_target_dir))
+
+
+def test_drafting_trees_is_a_type_that_timing_keeps(tiny_target_dir):
+    """Capabilities are types: the torch drafter is a TreeDrafter, a chain-only drafter is not, and
+    specedge-bench's timing wrapper keeps whichever it wraps (generation.py checks with isinstance)."""
+    torch_drafter = TorchDrafter(tiny_target_dir)
+    chain_only = SimulatedDrafter(torch_drafter.fingerprint, [])
+    assert isinstance(torch_drafter, TreeDrafter) and not isinstance(chain_only, TreeDrafter)
+    assert isinstance(timed(torch_drafter), TreeDrafter) and not isinstance(timed(chain_only), TreeDrafter)
+
+
+def test_a_tree_policy_with_a_chain_only_drafter_is_refused_before_any_call(tiny_target_dir):
+    fingerprint = HFTokenizer(tiny_target_dir).fingerprint
+    client = EdgeClient("127.0.0.1:1", fingerprint)  # never connected: the answer must not get as far as a call
+    tree = SpeculationPolicy(tree=TreeBudget())
+    with pytest.raises(EdgeError, match="tree drafting needs a drafter that drafts trees"):
+        asyncio.run(generate(client, [5, 6, 7], SimulatedDrafter(fingerprint, []), policy=tree))
 
 
 def test_hf_tokenizer(tiny_target_dir):

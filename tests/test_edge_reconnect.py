@@ -30,12 +30,14 @@ import pytest
 
 from harness import ApiThread, free_port, start_server_process, tiny_server, wait_healthy
 from reference import greedy_decode
-from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig, SessionGone
+from specedge.edge_client.client import ConnectionConfig, ConnectionLost, EdgeClient, SessionGone
+from specedge.edge_client.generation import generate
 from specedge.edge_client.openai_api import ServeConfig
+from specedge.edge_client.policy import SpeculationPolicy
+from specedge.edge_client.rounds import DraftRound
 from specedge.edge_client.runtime import RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.types import SamplingParams
-from specedge.v1 import specedge_pb2 as pb
 
 # Four prompts whose greedy answers with the tiny target run to the length limit.
 PROMPTS = ["print(i * i)", "Hello, nice to meet you", "return a + b", "edge 1 says hi"]
@@ -102,9 +104,14 @@ def test_four_answers_survive_a_server_restart(tiny_target_dir, tiny_draft_dir, 
         eos = set(tokenizer.eos_token_ids)
         expected = [greedy_decode(reference_model, tokenizer.apply_chat_template(m), MAX_TOKENS, eos) for m in messages]
         assert [len(e) for e in expected] == [MAX_TOKENS] * len(PROMPTS)  # long enough to be cut mid-way
-        edge = EdgeConfig(num_draft=4, simulated_rtt_ms=20, reconnect_timeout_s=120, follow_advice=False)
-        runtime = RuntimeConfig(server=address, draft=str(tiny_draft_dir), edge=edge, num_drafters=len(PROMPTS),
-                                server_only=server_only_answers)  # fmt: skip
+        runtime = RuntimeConfig(
+            server=address,
+            draft=str(tiny_draft_dir),
+            policy=SpeculationPolicy(num_draft=4, follow_advice=False),
+            connection=ConnectionConfig(simulated_rtt_ms=20, reconnect_timeout_s=120),
+            num_drafters=len(PROMPTS),
+            server_only=server_only_answers,
+        )
         with ApiThread(runtime, ServeConfig(port=0)) as api:
             model = wait_healthy(api.base_url, timeout_s=120)["model"]
             progress = [Progress() for _ in PROMPTS]
@@ -160,7 +167,7 @@ def test_only_the_first_answer_to_notice_a_lost_connection_reconnects(tiny_targe
             await asyncio.sleep(0.2)  # the server notices the cancelled lease
             assert first.session_id not in sessions
             with pytest.raises(SessionGone) as gone:
-                await client.verify(pb.VerifyRequest(session_id=first.session_id, num_generated=1))
+                await client.verify(first.session_id, DraftRound((), num_generated=1))
             assert gone.value.epoch == 2  # it went out on the new connection, whose lease holds
             await client.recover(gone.value)
             again = await client.open_session(prompt, 8, greedy, None)
@@ -169,7 +176,7 @@ def test_only_the_first_answer_to_notice_a_lost_connection_reconnects(tiny_targe
             await client.recover(SessionGone("unknown session", epoch=1))
             await asyncio.sleep(0.2)
             assert again.session_id in sessions
-            reply = await client.verify(pb.VerifyRequest(session_id=again.session_id, num_generated=1))
+            reply = await client.verify(again.session_id, DraftRound((), num_generated=1))
             assert reply.token_ids
 
     with tiny_server(tiny_target_dir) as server:
@@ -188,10 +195,11 @@ def test_a_server_that_refuses_every_session_ends_the_answer(tiny_target_dir, ti
 
     async def run(server):
         server.server.engine.draining = "server s1 is draining (test): it admits no new sessions"
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=8)) as client:
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             drafter = TorchDrafter(tiny_draft_dir) if speculative else None
             with pytest.raises(ConnectionLost, match="is draining") as refused:
-                await asyncio.wait_for(client.generate(prompt, drafter), 30)
+                answer = generate(client, prompt, drafter, policy=SpeculationPolicy(max_new_tokens=8))
+                await asyncio.wait_for(answer, 30)
             return refused.value, client._epoch
 
     with tiny_server(tiny_target_dir) as server:

@@ -16,11 +16,13 @@ import threading
 import time
 
 import pytest
+
 from harness import free_port, start_server_process, tiny_server
 from reference import greedy_decode
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import ConnectionConfig, EdgeClient
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
-from specedge.edge_client.generation import Conversation
+from specedge.edge_client.generation import Conversation, generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
 
@@ -38,7 +40,7 @@ def prompt_tokens_prefilled(server) -> int:
 
 
 def test_chat_turns_prefill_only_the_new_message(server, tiny_draft_dir, reference_model):
-    runtime = EdgeRuntime(RuntimeConfig(server.address, str(tiny_draft_dir), EdgeConfig(max_new_tokens=24)))
+    runtime = EdgeRuntime(RuntimeConfig(server.address, str(tiny_draft_dir), SpeculationPolicy(max_new_tokens=24)))
     eos = set(HFTokenizer(tiny_draft_dir).eos_token_ids)
 
     async def chat():
@@ -75,9 +77,11 @@ def test_an_expired_conversation_session_is_reopened(server, tiny_draft_dir, ref
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}])
 
     async def run():
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(max_new_tokens=16)) as client:
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             stale = Conversation(session_id="no-such-session", tokens=prompt[:5])
-            return await client.generate(prompt, TorchDrafter(tiny_draft_dir), conversation=stale), stale
+            policy = SpeculationPolicy(max_new_tokens=16)
+            result = await generate(client, prompt, TorchDrafter(tiny_draft_dir), policy=policy, conversation=stale)
+            return result, stale
 
     result, conversation = asyncio.run(run())
     assert result.token_ids == greedy_decode(reference_model, prompt, 16, set(tokenizer.eos_token_ids))
@@ -100,14 +104,24 @@ class BrokenDrafter(TorchDrafter):
 
 
 @pytest.mark.parametrize(
-    "drafter_options, config, reason",
+    "drafter_options, policy, connection, reason",
     [
-        (dict(fail_after=6), dict(simulated_rtt_ms=10), "the draft model failed: RuntimeError: draft model crashed"),
-        (dict(fail_after=10**6, delay_s=0.05), dict(slow_draft_fallback=True, proactive=False), "drafting is slower"),
+        (
+            dict(fail_after=6),
+            {},
+            dict(simulated_rtt_ms=10),
+            "the draft model failed: RuntimeError: draft model crashed",
+        ),
+        (
+            dict(fail_after=10**6, delay_s=0.05),
+            dict(slow_draft_fallback=True, proactive=False),
+            {},
+            "drafting is slower",
+        ),
     ],
 )
 def test_a_failing_or_slow_drafter_falls_back_to_server_only(
-    server, tiny_draft_dir, reference_model, drafter_options, config, reason
+    server, tiny_draft_dir, reference_model, drafter_options, policy, connection, reason
 ):
     tokenizer = HFTokenizer(tiny_draft_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "print(i * i)"}])
@@ -115,9 +129,9 @@ def test_a_failing_or_slow_drafter_falls_back_to_server_only(
     slots_before = server.server.engine.slots.num_free
 
     async def run():
-        edge_config = EdgeConfig(max_new_tokens=40, follow_advice=False, **config)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=edge_config) as client:
-            return await client.generate(prompt, drafter)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=ConnectionConfig(**connection)) as client:
+            answer = SpeculationPolicy(max_new_tokens=40, follow_advice=False, **policy)
+            return await generate(client, prompt, drafter, policy=answer)
 
     result = asyncio.run(run())
     assert result.token_ids == greedy_decode(reference_model, prompt, 40, set(tokenizer.eos_token_ids))
@@ -131,7 +145,7 @@ def test_a_missing_draft_model_runs_server_only_and_says_so(server, tiny_draft_d
     for name in os.listdir(tiny_draft_dir):
         if not name.endswith(".safetensors"):
             os.symlink(tiny_draft_dir / name, tmp_path / name)
-    runtime = EdgeRuntime(RuntimeConfig(server.address, str(tmp_path), EdgeConfig(max_new_tokens=12)))
+    runtime = EdgeRuntime(RuntimeConfig(server.address, str(tmp_path), SpeculationPolicy(max_new_tokens=12)))
     tokenizer = HFTokenizer(tiny_draft_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}])
 
@@ -170,16 +184,17 @@ def test_restarting_the_server_mid_answer_loses_and_repeats_nothing(tiny_target_
 
     async def run():
         # A 30 ms emulated round trip keeps the answer going long enough to kill the server mid-way.
-        config = EdgeConfig(max_new_tokens=60, simulated_rtt_ms=30, reconnect_timeout_s=120, proactive=speculative)
+        connection = ConnectionConfig(simulated_rtt_ms=30, reconnect_timeout_s=120)
         received: list[int] = []
 
         def on_tokens(token_ids):
             received.extend(token_ids)
             restart_once(received)
 
-        async with EdgeClient(address, tokenizer.fingerprint, config=config) as client:
+        async with EdgeClient(address, tokenizer.fingerprint, config=connection) as client:
             drafter = TorchDrafter(tiny_draft_dir) if speculative else None
-            return await client.generate(prompt, drafter, on_tokens), received
+            policy = SpeculationPolicy(max_new_tokens=60, proactive=speculative)
+            return await generate(client, prompt, drafter, on_tokens, policy=policy), received
 
     try:
         result, received = asyncio.run(run())

@@ -12,8 +12,10 @@ from transformers import AutoModelForCausalLM
 from harness import ServerThread
 from reference import greedy_decode
 from specedge import wire
-from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
+from specedge.edge_client import generation
+from specedge.edge_client.client import EdgeClient, EdgeError
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
@@ -58,8 +60,8 @@ def reference_model(tiny_target_dir):
 
 def generate(server, tokenizer, prompt, drafter, **config):
     async def run():
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
-            return await client.generate(prompt, drafter)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            return await generation.generate(client, prompt, drafter, policy=SpeculationPolicy(**config))
 
     return asyncio.run(run())
 
@@ -116,9 +118,9 @@ def test_four_edges_at_once_are_each_lossless(server, tokenizer, tiny_draft_dir,
     drafters = [TorchDrafter(tiny_draft_dir) for _ in prompts]
 
     async def run():
-        config = EdgeConfig(num_draft=4, max_new_tokens=48)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return await asyncio.gather(*(client.generate(p, d) for p, d in zip(prompts, drafters)))
+        policy = SpeculationPolicy(num_draft=4, max_new_tokens=48)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            return await asyncio.gather(*(generation.generate(client, p, d, policy=policy) for p, d in zip(prompts, drafters)))
 
     results = asyncio.run(run())
     for prompt, result in zip(prompts, results):
@@ -215,11 +217,11 @@ def test_sampled_speculative_output_follows_the_target_distribution(
     num_runs = 400
 
     async def run():
-        config = EdgeConfig(num_draft=4, max_new_tokens=2, sampling=sampling)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+        policy = SpeculationPolicy(num_draft=4, max_new_tokens=2, sampling=sampling)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             results = []
             for _ in range(num_runs):
-                results.append(await client.generate(prompt, drafter))
+                results.append(await generation.generate(client, prompt, drafter, policy=policy))
             return results
 
     results = asyncio.run(run())

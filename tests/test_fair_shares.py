@@ -12,7 +12,9 @@ from harness import ServerThread
 from raw_edge import PROMPT, Edge
 from reference import greedy_decode
 from specedge import wire
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client import generation
+from specedge.edge_client.client import EdgeClient
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.drafting.base import TreeBudget
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.tokenizer import HFTokenizer
@@ -170,8 +172,8 @@ def test_cut_sampled_chains_follow_the_targets_joint(tiny_target_dir, tiny_draft
 
 def generate_within_advice(server, tokenizer, prompt, drafter, **config):
     async def run():
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
-            return await client.generate(prompt, drafter)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            return await generation.generate(client, prompt, drafter, policy=SpeculationPolicy(**config))
 
     return asyncio.run(run())
 

@@ -21,7 +21,8 @@ import pytest
 from harness import ServerThread, free_port, start_server_process
 from mqtt_broker import Broker, make_certificate
 from reference import greedy_decode
-from specedge.edge_client.client import ConnectionLost, EdgeClient, EdgeConfig
+from specedge.edge_client.client import ConnectionConfig, ConnectionLost, EdgeClient
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.runtime import EdgeRuntime, RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.fleet.announcer import AnnouncerConfig
@@ -80,8 +81,8 @@ def load_of(router: FleetRouter, server_id: str):
     return seen.message.load.active_sessions if seen else None
 
 
-def edge_runtime(draft_dir, fallback: str | None, discovery: DiscoveryConfig, **edge) -> EdgeRuntime:
-    return EdgeRuntime(RuntimeConfig(fallback, str(draft_dir), EdgeConfig(**edge), discovery=discovery))
+def edge_runtime(draft_dir, fallback: str | None, discovery: DiscoveryConfig, **policy) -> EdgeRuntime:
+    return EdgeRuntime(RuntimeConfig(fallback, str(draft_dir), SpeculationPolicy(**policy), discovery=discovery))
 
 
 async def hold_session(address: str, tokenizer) -> EdgeClient:
@@ -175,8 +176,8 @@ def test_draining_mid_answer_moves_the_answer_intact(
         discovery = DiscoveryConfig(broker_config, edge_id=edge_id, telemetry=True, telemetry_period_s=0.05)
         # A 40 ms emulated round trip (and, server-only, a slow reader) keeps the answer going while the drain travels.
         runtime = EdgeRuntime(RuntimeConfig(
-            None, str(tiny_draft_dir), EdgeConfig(max_new_tokens=MAX_TOKENS, simulated_rtt_ms=40),
-            server_only=not speculative, discovery=discovery,
+            None, str(tiny_draft_dir), SpeculationPolicy(max_new_tokens=MAX_TOKENS),
+            ConnectionConfig(simulated_rtt_ms=40), server_only=not speculative, discovery=discovery,
         ))  # fmt: skip
         await runtime.start()
         first_name = by_address[runtime.client.address]

@@ -13,12 +13,15 @@ from harness import ServerThread
 from raw_edge import PROMPT, Edge, status_of, until
 from reference import greedy_decode
 from specedge import wire
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import EdgeClient
+from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
+from specedge.edge_client.rounds import ServerLimits
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.ratelimit import TokenBucket
+from specedge.server import errors
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
-from specedge.server import errors
 from specedge.server.limits import AttachLimiter, RateLimitConfig, RoundRateLimiter
 from specedge.server.runner import KVCache
 from specedge.server.transport import TransportConfig
@@ -107,7 +110,7 @@ def test_the_handshake_reports_every_limit(limited, fingerprint):
             return client.server_info.limits
 
     limits = asyncio.run(run())
-    assert limits == pb.ServerLimits(
+    assert limits == ServerLimits(
         max_context_tokens=64, max_draft_tokens=8, max_sessions=4, max_prompt_tokens=20, max_draft_prob_tokens=4,
         max_sessions_per_identity=2, max_rounds_per_second=RATE, round_burst=BURST, max_message_bytes=64 << 10,
         idle_session_timeout_s=30, idle_connection_timeout_s=0.5, max_attach_streams_per_identity=MAX_ATTACH,
@@ -211,10 +214,10 @@ def test_a_well_behaved_edge_never_trips_the_rate_limit(limited, fingerprint, ti
     drafter = TorchDrafter(tiny_draft_dir)
 
     async def run():
-        config = EdgeConfig(num_draft=1, max_new_tokens=24, follow_advice=False)
-        async with EdgeClient(limited.address, fingerprint, config=config) as client:
+        policy = SpeculationPolicy(num_draft=1, max_new_tokens=24, follow_advice=False)
+        async with EdgeClient(limited.address, fingerprint) as client:
             started = asyncio.get_running_loop().time()
-            result = await client.generate(prompt, drafter)
+            result = await generate(client, prompt, drafter, policy=policy)
             return result, asyncio.get_running_loop().time() - started
 
     refused_before = limited.server.stats.snapshot()["requests_refused"].get("rate_limited", 0)

@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM
 from harness import ServerThread
 from reference import greedy_decode
 from specedge import wire
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import EdgeClient
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.scheduler import BatcherConfig
 from specedge.server.app import ServerConfig
@@ -95,16 +97,16 @@ def test_sixteen_edges_chains_and_trees_greedy_and_sampled(server, tokenizer, ti
     async def one_edge(i: int, shape: str, sampling: SamplingParams | None):
         # Following the server's advice: under this load the draft length varies, which a seeded
         # answer (coupled drafts, verified by matching) must not notice.
-        config = EdgeConfig(num_draft=4, max_new_tokens=MAX_NEW, sampling=sampling or SamplingParams(), seed=100 + i)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+        policy = SpeculationPolicy(num_draft=4, max_new_tokens=MAX_NEW, sampling=sampling or SamplingParams(), seed=100 + i)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             if shape == "tree":
-                return await tree_generate(client, prompts[i], drafters[i], config.sampling, config.seed)
-            return (await client.generate(prompts[i], drafters[i])).token_ids
+                return await tree_generate(client, prompts[i], drafters[i], policy.sampling, policy.seed)
+            return (await generate(client, prompts[i], drafters[i], policy=policy)).token_ids
 
     async def server_only(i: int, sampling: SamplingParams):
-        config = EdgeConfig(max_new_tokens=MAX_NEW, sampling=sampling, seed=100 + i)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return (await client.generate(prompts[i], None)).token_ids
+        policy = SpeculationPolicy(max_new_tokens=MAX_NEW, sampling=sampling, seed=100 + i)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            return (await generate(client, prompts[i], None, policy=policy)).token_ids
 
     async def run():
         edges = asyncio.gather(*(one_edge(i, shape, sampling) for i, (shape, sampling) in enumerate(kinds)))
@@ -134,8 +136,7 @@ def test_server_side_speculation_is_lossless(server, tokenizer, reference_model)
     prompt = prompt_for(tokenizer, 99)
 
     async def run():
-        config = EdgeConfig(max_new_tokens=MAX_NEW)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             request = pb.GenerateRequest(
                 tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=prompt,
                 max_new_tokens=MAX_NEW, server_draft_tokens=4,
@@ -187,9 +188,9 @@ def test_killed_edges_free_their_slots_while_others_finish(server, tokenizer, ti
     survivors = [prompt_for(tokenizer, 50 + i) for i in range(3)]
 
     async def survivor(prompt):
-        config = EdgeConfig(num_draft=4, max_new_tokens=MAX_NEW)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return (await client.generate(prompt, TorchDrafter(tiny_draft_dir))).token_ids
+        policy = SpeculationPolicy(num_draft=4, max_new_tokens=MAX_NEW)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            return (await generate(client, prompt, TorchDrafter(tiny_draft_dir), policy=policy)).token_ids
 
     async def abandon_sessions(count: int):
         """Edges that open a session and vanish between rounds (their connection closes)."""
@@ -226,9 +227,9 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_rounds(server, to
     assert len(long_prompt) > 2 * 96
 
     async def run():
-        config = EdgeConfig(max_new_tokens=8)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return (await client.generate(long_prompt, None)).token_ids
+        policy = SpeculationPolicy(max_new_tokens=8)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            return (await generate(client, long_prompt, None, policy=policy)).token_ids
 
     steps_before = server.server.stats.snapshot()["num_steps"]
     tokens = asyncio.run(run())
@@ -306,9 +307,9 @@ def test_a_draft_that_never_matches_gets_drafting_turned_off(server, tokenizer, 
     prompt = prompt_for(tokenizer, 77)
 
     async def run():
-        config = EdgeConfig(num_draft=4, max_new_tokens=64)
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
-            return await client.generate(prompt, TorchDrafter(useless))
+        policy = SpeculationPolicy(num_draft=4, max_new_tokens=64)
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            return await generate(client, prompt, TorchDrafter(useless), policy=policy)
 
     result = asyncio.run(run())
     assert result.token_ids == greedy_decode(reference_model, prompt, 64, {2})
@@ -349,9 +350,9 @@ def test_concurrent_server_only_streams_share_forwards(tiny_target_dir, tokenize
 
         async def run():
             async def one(i):
-                config = EdgeConfig(max_new_tokens=40)
-                async with EdgeClient(fresh.address, tokenizer.fingerprint, config=config) as client:
-                    return await client.generate([5 + i, 6, 7, 8, 9], None)
+                policy = SpeculationPolicy(max_new_tokens=40)
+                async with EdgeClient(fresh.address, tokenizer.fingerprint) as client:
+                    return await generate(client, [5 + i, 6, 7, 8, 9], None, policy=policy)
 
             return await asyncio.gather(*(one(i) for i in range(4)))
 

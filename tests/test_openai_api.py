@@ -20,8 +20,10 @@ import openai
 import pytest
 
 from harness import ApiProcess, ApiThread, ServerThread, free_port, health, tiny_server, wait_healthy
-from specedge.edge_client.client import EdgeClient, EdgeConfig, EdgeError
+from specedge.edge_client.client import ConnectionConfig, EdgeClient, EdgeError
+from specedge.edge_client.generation import generate
 from specedge.edge_client.openai_api import EdgeAPIServer, ServeConfig
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.runtime import RuntimeConfig
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
@@ -43,8 +45,8 @@ def tokenizer(tiny_draft_dir):
 
 @pytest.fixture(scope="module")
 def api(server, tiny_draft_dir):
-    edge = EdgeConfig(num_draft=4)
-    runtime = RuntimeConfig(server=server.address, draft=str(tiny_draft_dir), edge=edge, num_drafters=2)
+    policy = SpeculationPolicy(num_draft=4)
+    runtime = RuntimeConfig(server=server.address, draft=str(tiny_draft_dir), policy=policy, num_drafters=2)
     with ApiThread(runtime, ServeConfig(port=0)) as running:
         wait_healthy(running.base_url)
         yield running
@@ -67,7 +69,7 @@ def server_only(server, tokenizer, prompt: list[int], max_tokens: int) -> list[i
 
     async def run():
         async with EdgeClient(server.address, tokenizer.fingerprint) as edge:
-            return await edge.generate(prompt, None, config=EdgeConfig(max_new_tokens=max_tokens))
+            return await generate(edge, prompt, None, policy=SpeculationPolicy(max_new_tokens=max_tokens))
 
     return asyncio.run(run()).token_ids
 
@@ -206,9 +208,9 @@ def test_concurrent_requests_each_get_their_own_session_and_are_lossless(server,
 
 def test_a_full_server_says_503_and_a_client_that_disconnects_frees_its_session(tiny_target_dir, tiny_draft_dir):
     # A 100 ms round trip makes the answer take ~60 rounds, several seconds, unless it is cancelled.
-    edge = EdgeConfig(num_draft=4, simulated_rtt_ms=100)
+    policy, connection = SpeculationPolicy(num_draft=4), ConnectionConfig(simulated_rtt_ms=100)
     with tiny_server(tiny_target_dir, max_sessions=1) as server:
-        runtime = RuntimeConfig(server=server.address, draft=str(tiny_draft_dir), edge=edge, num_drafters=2)
+        runtime = RuntimeConfig(server.address, str(tiny_draft_dir), policy, connection, num_drafters=2)
         with ApiThread(runtime, ServeConfig(port=0)) as api:
             model = wait_healthy(api.base_url)["model"]
             request = dict(model=model, messages=[{"role": "user", "content": CHATS[2]}], max_tokens=200, temperature=0)

@@ -12,13 +12,16 @@ import asyncio
 import time
 
 import pytest
+
 from harness import tiny_server
 from p_min import confident_length, keeps_an_unlikely_draw, min_prob_between
 from reference import greedy_decode
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import ConnectionConfig, EdgeClient
 from specedge.edge_client.drafting.base import DraftChain, DraftSampling, TreeBudget
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.drafting.tree import TreeGrower
+from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, guess_outcomes
 from specedge.edge_client.tokenizer import HFTokenizer
 
@@ -178,10 +181,10 @@ def server(tiny_target_dir):
         yield running
 
 
-def run_edge(server, tokenizer, prompt, drafter, **config):
+def run_edge(server, tokenizer, prompt, drafter, connection=ConnectionConfig(), **policy):
     async def run():
-        async with EdgeClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
-            return await client.generate(prompt, drafter)
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=connection) as client:
+            return await generate(client, prompt, drafter, policy=SpeculationPolicy(**policy))
 
     return asyncio.run(run())
 
@@ -193,7 +196,7 @@ def test_proactive_on_and_off_equal_target_only(server, tiny_draft_dir, referenc
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}])
     expected = greedy_decode(reference_model, prompt, 48, set(tokenizer.eos_token_ids))
     # A 20 ms emulated round trip: time to draft ahead, as over a real network.
-    common = dict(num_draft=4, max_new_tokens=48, follow_advice=False, simulated_rtt_ms=20)
+    common = dict(num_draft=4, max_new_tokens=48, follow_advice=False, connection=ConnectionConfig(simulated_rtt_ms=20))
     on = run_edge(server, tokenizer, prompt, drafter, **common)
     off = run_edge(server, tokenizer, prompt, drafter, **common, proactive=False)
     assert on.token_ids == off.token_ids == expected

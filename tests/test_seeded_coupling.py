@@ -18,10 +18,12 @@ import pytest
 import torch
 
 from harness import ServerThread, tiny_server
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client import generation
+from specedge.edge_client.client import EdgeClient
 from specedge.edge_client.drafting.base import CoupledSampling
 from specedge.edge_client.drafting.coupled import draw_coupled
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
@@ -68,16 +70,16 @@ class RecordingClient(EdgeClient):
         super().__init__(*args, **kwargs)
         self.rounds = []
 
-    async def verify(self, request):
-        reply = await super().verify(request)
-        self.rounds.append((request, reply))
+    async def verify(self, session_id, draft):
+        reply = await super().verify(session_id, draft)
+        self.rounds.append((draft, reply))
         return reply
 
 
 def generate(server, tokenizer, prompt, drafter, **config):
     async def run():
-        async with RecordingClient(server.address, tokenizer.fingerprint, config=EdgeConfig(**config)) as client:
-            return await client.generate(prompt, drafter), client.rounds
+        async with RecordingClient(server.address, tokenizer.fingerprint) as client:
+            return await generation.generate(client, prompt, drafter, policy=SpeculationPolicy(**config)), client.rounds
 
     return asyncio.run(run())
 
@@ -123,7 +125,7 @@ def test_seeded_speculative_answer_equals_seeded_server_only(server, tokenizer, 
     server_only, _ = generate(server, tokenizer, prompt, None, sampling=sampling, seed=7, max_new_tokens=40)
     assert answer.token_ids == server_only.token_ids
     assert answer.stats.accepted_tokens > 0
-    assert all(not request.draft_probs for request, _ in rounds)  # verified by matching
+    assert all(not draft.dists for draft, _ in rounds)  # verified by matching
 
 
 def test_seeded_request_is_the_same_whatever_the_draft_length_or_advice(server, tokenizer, prompt, drafters):
@@ -151,8 +153,8 @@ def test_a_draft_model_equal_to_the_target_has_every_coupled_draft_accepted(serv
     )  # fmt: skip
     assert len(rounds) > 3
     # Every round but the last (a stop or the length limit may cut it) accepts every draft.
-    for request, reply in rounds[:-1]:
-        assert len(reply.accepted_nodes) == len(request.draft_token_ids) > 0
+    for draft, reply in rounds[:-1]:
+        assert len(reply.accepted_nodes) == len(draft.token_ids) > 0
     assert answer.stats.accepted_tokens >= answer.stats.draft_tokens - 4
 
 
@@ -162,20 +164,20 @@ def test_a_seeded_answer_resumed_after_a_lost_session_equals_server_only(server,
     class LosingClient(EdgeClient):
         lost = False
 
-        async def verify(self, request):
+        async def verify(self, session_id, draft):
             if self.rounds_seen == 3 and not self.lost:
                 self.lost = True
-                await self.close_session(request.session_id)  # the next call meets NOT_FOUND: resume
+                await self.close_session(session_id)  # the next call meets NOT_FOUND: resume
             self.rounds_seen += 1
-            return await super().verify(request)
+            return await super().verify(session_id, draft)
 
     sampling = SamplingParams(temperature=0.8, top_k=40)
 
     async def run():
-        config = EdgeConfig(sampling=sampling, seed=21, max_new_tokens=40)
-        async with LosingClient(server.address, tokenizer.fingerprint, config=config) as client:
+        policy = SpeculationPolicy(sampling=sampling, seed=21, max_new_tokens=40)
+        async with LosingClient(server.address, tokenizer.fingerprint) as client:
             client.rounds_seen = 0
-            return await client.generate(prompt, drafters["draft"])
+            return await generation.generate(client, prompt, drafters["draft"], policy=policy)
 
     answer = asyncio.run(run())
     server_only, _ = generate(server, tokenizer, prompt, None, sampling=sampling, seed=21, max_new_tokens=40)
@@ -187,8 +189,8 @@ def test_unseeded_sampled_chains_still_go_by_rejection(server, tokenizer, prompt
     answer, rounds = generate(
         server, tokenizer, prompt, drafters["draft"], sampling=SamplingParams(temperature=0.8), max_new_tokens=24
     )
-    drafted = [request for request, _ in rounds if request.draft_token_ids]
-    assert drafted and all(len(r.draft_probs) == len(r.draft_token_ids) for r in drafted)  # q sent with each draft
+    drafted = [draft for draft, _ in rounds if draft.token_ids]
+    assert drafted and all(len(draft.dists) == len(draft.token_ids) for draft in drafted)  # q sent with each draft
 
 
 # --- the llama.cpp drafter ---------------------------------------------------------------------
@@ -214,7 +216,7 @@ def test_llama_cpp_seeded_speculative_answer_equals_seeded_server_only():
     finally:
         drafter.close()
     assert answer.token_ids == server_only.token_ids
-    assert all(not request.draft_probs for request, _ in rounds)
+    assert all(not draft.dists for draft, _ in rounds)
     assert answer.stats.accepted_tokens > answer.stats.draft_tokens / 2  # the same weights: the races mostly agree
 
 

@@ -13,13 +13,14 @@ import time
 import grpc
 import pytest
 import torch
+from test_many_edges import MAX_NEW, prompt_for, tree_generate
 
 from harness import start_server_process, tiny_server
-from test_many_edges import MAX_NEW, prompt_for, tree_generate
-from tiny_models import save_tiny_model
 from specedge import wire
-from specedge.edge_client.client import EdgeClient, EdgeConfig
+from specedge.edge_client.client import EdgeClient
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.generation import generate
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.registry import ResolvedModel
 from specedge.server.app import ServerConfig
@@ -32,6 +33,7 @@ from specedge.server.tp_runner import TensorParallelRunner, decode_requests, enc
 from specedge.types import SamplingParams
 from specedge.v1 import specedge_pb2 as pb
 from specedge.v1 import specedge_pb2_grpc
+from tiny_models import save_tiny_model
 
 BIN = os.path.dirname(sys.executable)
 CPU = torch.device("cpu")
@@ -171,21 +173,21 @@ def tp2_address(tiny_target_dir):
 async def _edges(address: str, tokenizer, prompts, draft_dir) -> list[list[int]]:
     """Two chain edges, two tree edges and two server-only streams, all at once."""
     drafters = [TorchDrafter(draft_dir) for _ in range(4)]
-    config = EdgeConfig(num_draft=4, max_new_tokens=MAX_NEW)
+    policy = SpeculationPolicy(num_draft=4, max_new_tokens=MAX_NEW)
 
     async def chain(i):
-        async with EdgeClient(address, tokenizer.fingerprint, config=config) as client:
-            result = await client.generate(prompts[i], drafters[i])
+        async with EdgeClient(address, tokenizer.fingerprint) as client:
+            result = await generate(client, prompts[i], drafters[i], policy=policy)
             assert result.stats.accepted_tokens > 0
             return result.token_ids
 
     async def tree(i):
-        async with EdgeClient(address, tokenizer.fingerprint, config=config) as client:
+        async with EdgeClient(address, tokenizer.fingerprint) as client:
             return await tree_generate(client, prompts[i], drafters[i], SamplingParams(), None)
 
     async def alone(i):
-        async with EdgeClient(address, tokenizer.fingerprint, config=config) as client:
-            return (await client.generate(prompts[i], None)).token_ids
+        async with EdgeClient(address, tokenizer.fingerprint) as client:
+            return (await generate(client, prompts[i], None, policy=policy)).token_ids
 
     try:
         return list(await asyncio.gather(chain(0), chain(1), tree(2), tree(3), alone(4), alone(5)))

@@ -17,7 +17,8 @@ import dataclasses
 import json
 
 from specedge.edge_client.channel import ChannelSecurity
-from specedge.edge_client.client import EdgeConfig
+from specedge.edge_client.client import ConnectionConfig
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.runtime import RuntimeConfig
 from specedge.types import SamplingParams
 
@@ -74,8 +75,11 @@ class ChatSettings:
         except FleetError as exc:
             raise ValueError(str(exc)) from None
 
-    def runtime_config(self, draft: str, base: EdgeConfig, threads: int | None = None) -> RuntimeConfig:
-        """The edge runtime these settings ask for: `draft` (the resolved draft model), `base` drafting options."""
+    def runtime_config(
+        self, draft: str, policy: SpeculationPolicy, connection: ConnectionConfig, threads: int | None = None
+    ) -> RuntimeConfig:
+        """The edge runtime these settings ask for: `draft` (the resolved draft model), the app's drafting
+        `policy` and `connection` options with these settings' sampling, TLS and token."""
         discovery = None
         if (broker := self.broker()) is not None:
             from specedge.fleet.broker import require_aiomqtt
@@ -84,11 +88,16 @@ class ChatSettings:
             require_aiomqtt()  # before any connection: FleetError naming the extra to install
             discovery = DiscoveryConfig(broker)  # as `specedge-edge --discover`: `server` is the fallback
         return RuntimeConfig(
-            server=self.server or None, draft=draft, edge=self.edge_config(base), server_only=self.server_only,
-            threads=threads, discovery=discovery, security=self.security(),
-        )  # fmt: skip
+            server=self.server or None,
+            draft=draft,
+            policy=self.policy(policy),
+            connection=dataclasses.replace(connection, security=self.security()),
+            server_only=self.server_only,
+            threads=threads,
+            discovery=discovery,
+        )
 
-    def edge_config(self, base: EdgeConfig) -> EdgeConfig:
+    def policy(self, base: SpeculationPolicy) -> SpeculationPolicy:
         """`base` (the app's drafting options) with this answer's sampling and length."""
         return dataclasses.replace(
             base,

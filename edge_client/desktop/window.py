@@ -190,7 +190,7 @@ class MainWindow(QMainWindow):
         answer_id = self.store.add_message(conversation_id, "assistant", "", STREAMING)
         self.answer = _Answer(answer_id, conversation_id)
         self.select(conversation_id)
-        self.worker.ask(answer_id, conversation_id, prompt, self.settings.edge_config(self.config.worker.edge))
+        self.worker.ask(answer_id, conversation_id, prompt, self.settings.policy(self.config.worker.policy))
 
     def _take_sampling_settings(self) -> None:
         """Temperature and max tokens apply from the next answer on, without reconnecting."""

@@ -25,10 +25,11 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from specedge.edge_client.client import ConnectionLost, EdgeConfig, EdgeError
+from specedge.edge_client.client import ConnectionConfig, ConnectionLost, EdgeError
 from specedge.edge_client.desktop import connection_words as words
 from specedge.edge_client.desktop import stats as figures
 from specedge.edge_client.desktop.settings import ChatSettings
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.results import Conversation, GenerationStats
 from specedge.edge_client.runtime import EdgeRuntime
 from specedge.edge_client.text import IncrementalText
@@ -54,7 +55,8 @@ DONE, STOPPED, INTERRUPTED, FAILED = "done", "stopped", "interrupted", "failed"
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    edge: EdgeConfig = EdgeConfig(reconnect_timeout_s=10.0, slow_draft_fallback=True)  # drafting options
+    policy: SpeculationPolicy = SpeculationPolicy(slow_draft_fallback=True)  # drafting options (settings add sampling)
+    connection: ConnectionConfig = ConnectionConfig(reconnect_timeout_s=10.0)  # settings add TLS and the token
     retry_initial_s: float = 1.0  # first wait before reconnecting to a server that went away
     retry_max_s: float = 15.0  # backoff cap
     watch_interval_s: float = 3.0  # how often an idle connection checks the server is still there
@@ -103,8 +105,8 @@ class EdgeWorker:
         """Retry now: wakes an offline backoff, or starts over after an error."""
         self._loop.call_soon_threadsafe(self._reconnect_now)
 
-    def ask(self, answer_id: int, conversation_id: int, messages: list[dict], config: EdgeConfig) -> None:
-        self._loop.call_soon_threadsafe(self._start_answer, answer_id, conversation_id, messages, config)
+    def ask(self, answer_id: int, conversation_id: int, messages: list[dict], policy: SpeculationPolicy) -> None:
+        self._loop.call_soon_threadsafe(self._start_answer, answer_id, conversation_id, messages, policy)
 
     def stop(self) -> None:
         """Cancel the answer; the generation closes its server session (frees the slot) on the way out."""
@@ -179,7 +181,8 @@ class EdgeWorker:
 
         resolved = await asyncio.to_thread(self.config.resolver, settings.draft, on_progress=on_progress)
         # The draft is resolved once, here; a path resolves to itself in the runtime.
-        runtime = EdgeRuntime(settings.runtime_config(str(resolved.path), self.config.edge, self.config.threads))
+        policy, connection = self.config.policy, self.config.connection
+        runtime = EdgeRuntime(settings.runtime_config(str(resolved.path), policy, connection, self.config.threads))
         self._runtime = runtime
         await runtime.load_tokenizer()
         return runtime
@@ -244,13 +247,17 @@ class EdgeWorker:
             except EdgeError:  # gone, or refusing us now (a revoked token): the next connect says which
                 return
 
-    def _start_answer(self, answer_id: int, conversation_id: int, messages: list[dict], config: EdgeConfig) -> None:
+    def _start_answer(
+        self, answer_id: int, conversation_id: int, messages: list[dict], policy: SpeculationPolicy
+    ) -> None:
         if self._answer is not None and not self._answer.done():
             self.signals.finished.emit(answer_id, FAILED, None, "an answer is already being written", "")
             return
-        self._answer = self._loop.create_task(self._generate(answer_id, conversation_id, messages, config))
+        self._answer = self._loop.create_task(self._generate(answer_id, conversation_id, messages, policy))
 
-    async def _generate(self, answer_id: int, conversation_id: int, messages: list[dict], config: EdgeConfig) -> None:
+    async def _generate(
+        self, answer_id: int, conversation_id: int, messages: list[dict], policy: SpeculationPolicy
+    ) -> None:
         runtime = self._runtime
         if runtime is None or runtime.client is None or runtime.client.server_info is None:
             self.signals.finished.emit(answer_id, FAILED, None, "not connected to a server yet", "")
@@ -275,7 +282,7 @@ class EdgeWorker:
 
         try:
             prompt = runtime.chat_prompt(messages, conversation)
-            await runtime.generate(prompt, on_tokens, conversation=conversation, config=config, stats=live)
+            await runtime.generate(prompt, on_tokens, conversation=conversation, policy=policy, stats=live)
             end(DONE)
         except asyncio.CancelledError:
             end(STOPPED)

@@ -31,7 +31,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from specedge import noise
 from specedge.tokens import TokenizerFingerprint
@@ -152,7 +152,10 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
 class TreeDrafter(Drafter, Protocol):
+    """A drafter that also drafts trees: `isinstance(drafter, TreeDrafter)` says whether it can."""
+
     def propose_tree(self, context: Sequence[int], budget: TreeBudget, min_prob: float = 0.0) -> DraftTree:
         """A greedy draft tree after `context`; the cache afterwards holds `context` only."""
         ...
