@@ -11,7 +11,11 @@ the order it sent them.
 knee of the measured cost curve (step time ~ a + b * tokens, knee a / b: up
 to there a step costs at most twice a one-token step, past it every token
 costs its full compute), never below `min_step_tokens`, `default_step_tokens`
-until the curve is measured. When the queued work exceeds it, the budget is
+until the curve is measured; and never below one full round (`round_tokens`)
+for each identity with work queued, so that many equal edges are batched as
+before and only an identity asking for more than its share is ever cut (a
+budget fixed with `step_tokens` is the operator's cap and does not grow).
+When the queued work exceeds it, the budget is
 shared max-min fairly across identities, then within each identity across its
 sessions (scheduler/fairness.py, deficits carried from step to step). A round
 granted fewer tokens than it carries is cut: it is verified on its first
@@ -19,7 +23,7 @@ nodes (a prefix of a chain, a subtree closed under parents: children come
 after their parents), which keeps every lossless guarantee. A prefill's grant
 is its next chunk. A row granted nothing this step waits, owed, for the next.
 
-    budget 32; A: one round of 1 token; B: four rounds of 65 (64 draft nodes each)
+    budget 32 (step_tokens); A: one round of 1 token; B: four rounds of 65 (64 draft nodes each)
     identities: A 1, B 31   ->   B's sessions: 8, 8, 8, 7 (a deficit moves the odd token round)
     every B round is cut to its first 7 or 6 nodes; the step carries 32 tokens, not 261
 
@@ -63,6 +67,10 @@ class BatcherConfig:
     fair_shares: bool = True  # a per-step token budget shared max-min across identities (False: arrival order)
     step_tokens: int | None = None  # a fixed step budget; None: the measured cost curve's knee
     min_step_tokens: int = 8  # the budget's floor, whatever the curve says
+    # Every identity with work queued may fill one full round a step: the pending token and the most
+    # drafts the advice asks for (scheduler/speculation.py's max_draft_tokens, 16). The budget grows to that,
+    # so equal edges are never cut below a round: only an identity asking for more than its share is.
+    round_tokens: int = 17
     default_step_tokens: int = 64  # the budget until the curve is measured
 
     def __post_init__(self):
@@ -70,8 +78,8 @@ class BatcherConfig:
             raise ValueError("max_batch_tokens and max_batch_rows must be >= 1")
         if not 0 < self.prefill_reserve <= self.max_batch_tokens:
             raise ValueError("prefill_reserve must be in 1..max_batch_tokens")
-        if min(self.step_tokens or 1, self.min_step_tokens, self.default_step_tokens) < 1:
-            raise ValueError("step_tokens, min_step_tokens and default_step_tokens must be >= 1")
+        if min(self.step_tokens or 1, self.min_step_tokens, self.default_step_tokens, self.round_tokens) < 1:
+            raise ValueError("step_tokens, min_step_tokens, default_step_tokens and round_tokens must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +192,13 @@ class Batcher:
         return plan
 
     def _plan_fair(self) -> StepPlan:
-        budget = self.step_budget()
         waiting = list(self._queue.values())[: self.config.max_batch_rows]
         by_owner: dict[Hashable, dict[Hashable, int]] = {}
         for queued in waiting:
             by_owner.setdefault(queued.owner, {})[queued.key] = queued.remaining
+        budget = self.step_budget()
+        if self.config.step_tokens is None:  # a fixed budget is the operator's cap; the knee is not
+            budget = min(max(budget, len(by_owner) * self.config.round_tokens), self.config.max_batch_tokens)
         owner_demands = {owner: sum(demands.values()) for owner, demands in by_owner.items()}
         owner_grants, self._identity_deficits = max_min_shares(owner_demands, budget, self._identity_deficits)
         grants: dict[Hashable, int] = {}

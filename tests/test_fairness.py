@@ -209,3 +209,18 @@ def test_a_lone_identity_is_planned_by_arrival_full_chunks_and_no_cuts():
     for i in range(4):
         batcher.add_round(f"b{i}", 65, owner="B")
     assert batcher.plan_step().cuts == {"b0": 8, "b1": 8, "b2": 8, "b3": 8}
+
+
+def test_the_knee_budget_grows_to_one_full_round_per_identity():
+    """Eight equal edges with 5-token rounds (40 tokens) beside a knee of 20: nobody is cut, one step serves all;
+    a heavy identity beside a light one is still cut to what the others leave of 2 x 17 = 34 tokens."""
+    batcher = fair_batcher(None)
+    batcher.curve = (0.2, 0.01)  # knee 20 tokens
+    for edge in range(8):
+        batcher.add_round(f"e{edge}", 5, owner=f"edge{edge}")
+    plan = batcher.plan_step()
+    assert plan.budget == 8 * 17 and len(plan.rounds) == 8 and plan.cuts == {}
+    batcher.add_round("a", 1, owner="A")
+    batcher.add_round("b", 65, owner="B")
+    plan = batcher.plan_step()
+    assert plan.budget == 34 and plan.cuts == {"b": 33}
