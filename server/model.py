@@ -1,4 +1,4 @@
-"""A compact Llama/Qwen2-family decoder over packed rows and a slotted KV cache.
+"""A compact Llama / Qwen2 / Qwen3-family decoder over packed rows and a slotted KV cache.
 
 One forward serves any mix of sessions: each row is one session's new tokens
 (a prompt chunk, a decode step, or a draft tree). Every row's tokens sit in
@@ -40,12 +40,13 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     qkv_bias: bool
+    qk_norm: bool  # Qwen3: an RMSNorm over each head's queries and keys, before RoPE
     tie_word_embeddings: bool
     max_position_embeddings: int
 
     @classmethod
     def from_hf_config(cls, config) -> ModelArgs:
-        supported = {"llama", "qwen2"}
+        supported = {"llama", "qwen2", "qwen3"}
         if config.model_type not in supported:
             raise ValueError(f"unsupported architecture {config.model_type!r}; supported: {', '.join(sorted(supported))}")
         if getattr(config, "use_sliding_window", False):
@@ -60,6 +61,7 @@ class ModelArgs:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
             rms_norm_eps=config.rms_norm_eps,
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=config.model_type == "qwen3",
             tie_word_embeddings=bool(config.tie_word_embeddings),
             max_position_embeddings=config.max_position_embeddings,
         )
@@ -169,6 +171,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(part.num_heads * args.head_dim, args.hidden_size, bias=False)
+        # Per head, so every tensor-parallel rank holds them whole.
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         # server/matmul.py may replace q/k/v with one fused product (one pass over the weights).
         self.qkv_proj: nn.Module | None = None
 
@@ -189,6 +194,8 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(num_tokens, -1, head_dim)  # [N, H, D]
         k = k.view(num_tokens, -1, head_dim)  # [N, KVH, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k_cache[batch.kv_slots, batch.kv_positions] = k.to(k_cache.dtype)

@@ -41,15 +41,48 @@ class RandomShape:
     tie_word_embeddings: bool = False
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
+    family: str = "qwen2"  # the transformers config it is built from: qwen2, qwen3 or llama
+    head_dim: int | None = None  # None: hidden_size / num_heads (Qwen3 sets its own)
+    rope_scaling: Mapping | None = None  # e.g. Llama 3.1's "llama3" frequencies
+
+    def hf_config(self, vocab_size: int):
+        from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+        config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[self.family]
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        return config_class(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim or self.hidden_size // self.num_heads,
+            max_position_embeddings=32768 if self.family != "llama" else 131072,
+            rope_parameters=rope,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
 
 
-# Shapes from the published Qwen2 / Qwen2.5 configs.
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}  # fmt: skip
+
+# Shapes from the published Qwen2 / Qwen2.5, Qwen3 and Llama 3.1 configs. Llama's 128,256 logits need its
+# own tokenizer: random:llama3.1-8b@/path/to/a-llama-3-dir.
 PRESETS: Mapping[str, RandomShape] = MappingProxyType({
     "qwen2-0.5b": RandomShape(896, 4864, 24, 14, 2, 151936, tie_word_embeddings=True),
     "qwen2-1.5b": RandomShape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True),
     "qwen2-7b": RandomShape(3584, 18944, 28, 28, 4, 152064),
     "qwen2.5-14b": RandomShape(5120, 13824, 48, 40, 8, 152064),
+    "qwen3-0.6b": RandomShape(1024, 3072, 28, 16, 8, 151936, tie_word_embeddings=True, family="qwen3", head_dim=128),
+    "qwen3-1.7b": RandomShape(2048, 6144, 28, 16, 8, 151936, tie_word_embeddings=True, family="qwen3", head_dim=128),
+    "qwen3-8b": RandomShape(4096, 12288, 36, 32, 8, 151936, family="qwen3", head_dim=128),
+    "qwen3-14b": RandomShape(5120, 17408, 40, 40, 8, 151936, family="qwen3", head_dim=128),
+    "llama3.1-8b": RandomShape(4096, 14336, 32, 32, 8, 128256, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                               family="llama", rope_scaling=_LLAMA31_ROPE),
     "qwen2-tiny": RandomShape(64, 128, 2, 4, 2, None),  # for tests
+    "qwen3-tiny": RandomShape(64, 128, 2, 4, 2, None, family="qwen3", head_dim=32),  # for tests
 })  # fmt: skip
 
 
@@ -65,24 +98,11 @@ def build_random(
     preset: str, fingerprint: TokenizerFingerprint, *, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> tuple[CausalLM, TokenizerFingerprint]:
     """The model, and the fingerprint widened to its logits (Qwen pads 151665 tokens to 152064)."""
-    from transformers import Qwen2Config
-
     shape = PRESETS[preset]
     vocab_size = shape.vocab_size or fingerprint.vocab_size
     if vocab_size < fingerprint.num_tokens:
         raise ValueError(f"random:{preset} has {vocab_size} logits, fewer than its tokenizer's {fingerprint.num_tokens} tokens")
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        max_position_embeddings=32768,
-        rope_theta=shape.rope_theta,
-        rms_norm_eps=shape.rms_norm_eps,
-        tie_word_embeddings=shape.tie_word_embeddings,
-    )
+    config = shape.hf_config(vocab_size)
     args = ModelArgs.from_hf_config(config)
     inv_freq, scaling = rope_frequencies(config, args.head_dim)
     # Built on the meta device and allocated once in the target dtype: a 7B

@@ -108,6 +108,10 @@ BUILTINS: Mapping[str, BuiltinModel] = MappingProxyType({m.name: m for m in (
 # Short names for Hugging Face hub checkpoints (format "hf").
 HUB_ALIASES: Mapping[str, str] = MappingProxyType({
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
+    # The SpecEdge paper's pairs: a Qwen3-14B target with a 0.6B or 1.7B draft.
+    "qwen3-14b": "Qwen/Qwen3-14B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
 })
 
 # Opens one part for reading. `assemble` takes it as an argument so that tests

@@ -29,6 +29,30 @@ def tiny_llama_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=2, arch="llama", num_kv_heads=4)
 
 
+# Llama 3.x's "llama3" RoPE frequencies, with an original context of 32 so that tests run past it.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """Qwen3: per-head q/k norms and a head_dim (32) that is not hidden / heads (16)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), seed=4, arch="qwen3", head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_draft_dir(tmp_path_factory, tiny_qwen3_dir):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-draft"), seed=5, arch="qwen3", head_dim=32,
+                           noise_from=tiny_qwen3_dir, noise=0.02)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory):
+    """Llama 3.x: llama3 RoPE scaling and tied embeddings, as in Llama-3.2-1B."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama3"), seed=6, arch="llama", tie_word_embeddings=True,
+                           rope_parameters=LLAMA3_ROPE)  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def tiny_foreign_dir(tmp_path_factory):
     """A model whose tokenizer differs from the target's: the handshake must refuse it."""

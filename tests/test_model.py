@@ -23,18 +23,24 @@ def _hf_logits(model_dir, token_ids):
         return hf(torch.tensor([token_ids])).logits[0]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_target_dir", "tiny_llama_dir"])
+# Qwen2, Llama 2-style, Qwen3 (q/k norms, decoupled head_dim) and Llama 3.x (llama3 RoPE, tied embeddings).
+FAMILIES = ["tiny_target_dir", "tiny_llama_dir", "tiny_qwen3_dir", "tiny_llama3_dir"]
+
+
+@pytest.mark.parametrize("fixture", FAMILIES)
 def test_prefill_logits_match_transformers(request, fixture):
     model_dir = request.getfixturevalue(fixture)
-    tokens = list(range(3, 40))
+    tokens = list(range(3, 70))  # past the Llama 3 fixture's original context of 32
     runner = _runner(model_dir)
     [ours] = runner.forward([ForwardRequest(slot=1, num_cached=0, token_ids=tuple(tokens))])
     torch.testing.assert_close(ours, _hf_logits(model_dir, tokens), atol=ATOL, rtol=0)
 
 
-def test_sessions_of_different_lengths_in_one_batch(tiny_target_dir):
+@pytest.mark.parametrize("fixture", FAMILIES)
+def test_sessions_of_different_lengths_in_one_batch(request, fixture):
     """Each row sees only its own slot: batching must not change any row's logits."""
-    a, b = list(range(5, 30)), list(range(100, 108))
+    tiny_target_dir = request.getfixturevalue(fixture)
+    a, b = list(range(5, 50)), list(range(100, 108))
     runner = _runner(tiny_target_dir)
     # Prefill both, then one step each in a single mixed batch (a decode + a 4-token chain).
     runner.forward([ForwardRequest(0, 0, tuple(a[:-1]), all_logits=False), ForwardRequest(2, 0, tuple(b[:-4]))])
@@ -43,8 +49,10 @@ def test_sessions_of_different_lengths_in_one_batch(tiny_target_dir):
     torch.testing.assert_close(step_b, _hf_logits(tiny_target_dir, b)[-4:], atol=ATOL, rtol=0)
 
 
-def test_tree_nodes_see_only_their_ancestors(tiny_target_dir):
-    prompt = list(range(10, 30))
+@pytest.mark.parametrize("fixture", FAMILIES)
+def test_tree_nodes_see_only_their_ancestors(request, fixture):
+    tiny_target_dir = request.getfixturevalue(fixture)
+    prompt = list(range(10, 50))
     # root=29 -> 50 -> 51, root -> 60: node 3 (60) must not see nodes 1-2.
     runner = _runner(tiny_target_dir)
     runner.forward([ForwardRequest(0, 0, tuple(prompt[:-1]))])
@@ -53,3 +61,14 @@ def test_tree_nodes_see_only_their_ancestors(tiny_target_dir):
     path_two = _hf_logits(tiny_target_dir, prompt + [60])
     torch.testing.assert_close(logits[:3], path_one[-3:], atol=ATOL, rtol=0)
     torch.testing.assert_close(logits[3], path_two[-1], atol=ATOL, rtol=0)
+
+
+def test_qwen3_and_llama3_shapes_are_read_from_their_configs(tiny_qwen3_dir, tiny_llama3_dir):
+    from transformers import AutoConfig
+
+    from specedge.server.model import ModelArgs
+
+    qwen3 = ModelArgs.from_hf_config(AutoConfig.from_pretrained(tiny_qwen3_dir))
+    assert qwen3.qk_norm and qwen3.head_dim == 32 != qwen3.hidden_size // qwen3.num_heads and not qwen3.qkv_bias
+    llama3 = ModelArgs.from_hf_config(AutoConfig.from_pretrained(tiny_llama3_dir))
+    assert llama3.tie_word_embeddings and not llama3.qk_norm

@@ -301,12 +301,14 @@ def test_unknown_name_lists_known_names():
         resolve("foo")
     assert str(excinfo.value) == (
         "unknown model 'foo'; known names: llama-3.2-1b, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, "
-        "smollm2-135m; or pass a path to a .gguf file or an HF model directory"
+        "qwen3-0.6b, qwen3-1.7b, qwen3-14b, smollm2-135m; or pass a path to a .gguf file or an HF model directory"
     )
 
 
 def test_known_names_and_cache_dir(tmp_path, monkeypatch):
-    assert registry.known_names() == ["llama-3.2-1b", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m"]
+    assert registry.known_names() == [
+        "llama-3.2-1b", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-14b", "smollm2-135m"
+    ]
     monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
     assert registry.default_cache_dir() == tmp_path
     monkeypatch.delenv("SPECEDGE_CACHE")
@@ -323,11 +325,16 @@ def hub_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
-def test_hub_alias_offline_says_how_to_use_a_local_copy(hub_offline):
+@pytest.mark.parametrize(
+    ("alias", "hub_id"),
+    [("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct"), ("qwen3-14b", "Qwen/Qwen3-14B"),
+     ("qwen3-1.7b", "Qwen/Qwen3-1.7B"), ("qwen3-0.6b", "Qwen/Qwen3-0.6B")],
+)  # fmt: skip
+def test_hub_alias_offline_says_how_to_use_a_local_copy(hub_offline, alias, hub_id):
     with pytest.raises(RegistryError) as excinfo:
-        resolve("llama-3.2-1b")
+        resolve(alias)
     message = str(excinfo.value)
-    assert "meta-llama/Llama-3.2-1B-Instruct" in message
+    assert hub_id in message
     assert "--model" in message and "not available offline" in message
     assert "\n" not in message
 

@@ -86,11 +86,14 @@ def test_step_messages_round_trip():
 # -- logits: --tp 2 against one process, on the same requests --------------------------------------
 
 
-@pytest.fixture(scope="module", params=["split-kv", "replicated-kv"])
+@pytest.fixture(scope="module", params=["split-kv", "replicated-kv", "qwen3"])
 def runners(request, tmp_path_factory, tiny_target_dir):
-    """(one process, rank 0 of two) over the same weights. "replicated-kv": 1 KV head, tied, vocab 387 (padded)."""
+    """(one process, rank 0 of two) over the same weights. "replicated-kv": 1 KV head, tied, vocab 387 (padded);
+    "qwen3": per-head q/k norms, held whole by every rank."""
     if request.param == "split-kv":
         model_dir = tiny_target_dir
+    elif request.param == "qwen3":
+        model_dir = request.getfixturevalue("tiny_qwen3_dir")
     else:
         model_dir = save_tiny_model(
             tmp_path_factory.mktemp("tiny-kv1"), seed=4, arch="llama", num_kv_heads=1, vocab_size=387,

@@ -67,6 +67,8 @@ def save_tiny_model(
     noise: float = 0.0,
     tokenizer_vocab_size: int = 384,
     tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
+    rope_parameters: dict | None = None,
 ) -> pathlib.Path:
     """Save a tiny causal LM (+ tokenizer) to `out_dir`.
 
@@ -75,10 +77,14 @@ def save_tiny_model(
     not always.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}[arch]
+    extra = {"head_dim": head_dim} if head_dim else {}
+    if rope_parameters is not None:
+        extra["rope_parameters"] = rope_parameters
     config = config_cls(
+        **extra,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -100,6 +106,10 @@ def save_tiny_model(
                 param.add_(torch.randn_like(param) * noise * param.std())
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # Qwen3's per-head norms start at 1: make them matter, and differ from each other
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir)
     build_tokenizer(tokenizer_vocab_size).save_pretrained(out_dir)
     return out_dir
