@@ -40,9 +40,9 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     qkv_bias: bool
-    qk_norm: bool  # Qwen3: an RMSNorm over each head's queries and keys, before RoPE
     tie_word_embeddings: bool
     max_position_embeddings: int
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's queries and keys, before RoPE
 
     @classmethod
     def from_hf_config(cls, config) -> ModelArgs:
