@@ -13,8 +13,11 @@ to there a step costs at most twice a one-token step, past it every token
 costs its full compute), never below `min_step_tokens`, `default_step_tokens`
 until the curve is measured; and never below one full round (`round_tokens`)
 for each identity with work queued, so that many equal edges are batched as
-before and only an identity asking for more than its share is ever cut (a
-budget fixed with `step_tokens` is the operator's cap and does not grow).
+before and only an identity asking for more than its share is ever cut; and
+while no session is mid-answer (`answering`, kept by the engine: only prompts
+wait), steps take `max_batch_tokens`, shared the same way, since no one's next
+token waits on them. A budget fixed with `step_tokens` is the operator's cap
+and does not grow.
 When the queued work exceeds it, the budget is
 shared max-min fairly across identities, then within each identity across its
 sessions (scheduler/fairness.py, deficits carried from step to step). A round
@@ -132,6 +135,9 @@ class Batcher:
         self._identity_deficits: dict[Hashable, float] = {}
         # Identities holding open sessions, as the engine counts them; None: unknown (plan fairly).
         self.open_identities: int | None = None
+        # Whether any session is mid-answer (its tokens wait on each step), as the engine sees it; None: unknown.
+        # With none, nobody's latency is at stake: prompts are prefilled in steps of max_batch_tokens.
+        self.answering: bool | None = None
         self._session_deficits: dict[Hashable, float] = {}
 
     def __len__(self) -> int:
@@ -198,7 +204,8 @@ class Batcher:
             by_owner.setdefault(queued.owner, {})[queued.key] = queued.remaining
         budget = self.step_budget()
         if self.config.step_tokens is None:  # a fixed budget is the operator's cap; the knee is not
-            budget = min(max(budget, len(by_owner) * self.config.round_tokens), self.config.max_batch_tokens)
+            floor = self.config.max_batch_tokens if self.answering is False else len(by_owner) * self.config.round_tokens
+            budget = min(max(budget, floor), self.config.max_batch_tokens)
         owner_demands = {owner: sum(demands.values()) for owner, demands in by_owner.items()}
         owner_grants, self._identity_deficits = max_min_shares(owner_demands, budget, self._identity_deficits)
         grants: dict[Hashable, int] = {}

@@ -336,6 +336,7 @@ class Engine:
             self._wakeup.clear()
             while True:
                 planned_at = time.perf_counter()
+                self.batcher.answering = any(s.generated and s.finish is FinishReason.NONE for s in self.sessions.values())
                 plan = self.batcher.plan_step()
                 if not plan:
                     break

@@ -224,3 +224,18 @@ def test_the_knee_budget_grows_to_one_full_round_per_identity():
     batcher.add_round("b", 65, owner="B")
     plan = batcher.plan_step()
     assert plan.budget == 34 and plan.cuts == {"b": 33}
+
+
+def test_while_no_session_is_mid_answer_prompts_are_prefilled_in_full_steps():
+    """Eight prompts arriving together (the benchmark's start): nobody's next token waits, so the step takes
+    max_batch_tokens, shared max-min; once a session is answering, steps go back to the budget."""
+    batcher = fair_batcher(None, max_batch_tokens=512)
+    batcher.curve = (0.2, 0.01)  # knee 20 tokens
+    batcher.open_identities, batcher.answering = 8, False
+    for edge in range(8):
+        batcher.add_prefill(f"p{edge}", 100, owner=f"edge{edge}")
+    plan = batcher.plan_step()
+    assert plan.budget == 512 and [chunk.num_tokens for chunk in plan.prefills] == [64] * 8
+    batcher.answering = True
+    plan = batcher.plan_step()
+    assert plan.budget == 8 * 17 and [chunk.num_tokens for chunk in plan.prefills] == [17] * 8
