@@ -47,8 +47,10 @@ def _run_parser(sub) -> None:
     p.add_argument("--categories", nargs="+", default=[], help="prompt categories (default: all)")
     p.add_argument("--prompts", type=pathlib.Path, default=None, help="prompt file (default: bench/prompts.json)")
     p.add_argument("--max-prompts", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--requests-per-edge", type=int, default=None, help="default: prompts / N, rounded up")
+    p.add_argument("--max-tokens", type=int, default=BenchConfig.max_tokens, help="new tokens per request")
+    p.add_argument("--requests-per-edge", type=int, default=BenchConfig.requests_per_edge,
+                   help="each edge's stream of requests (0: prompts / N, rounded up)")  # fmt: skip
+    p.add_argument("--no-stagger", action="store_true", help="every edge sends its first request at once")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests per mode")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--device", default="auto")
@@ -154,7 +156,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         num_draft=args.num_draft, tree=tree, follow_advice=not args.no_advice, temperature=args.temperature,
         seed=args.seed, rtt_ms=tuple(args.rtt_ms), jitter_ms=args.jitter_ms, categories=tuple(args.categories),
         prompts_file=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens,
-        requests_per_edge=args.requests_per_edge, warmup=args.warmup, repeats=args.repeats, device=args.device,
+        requests_per_edge=args.requests_per_edge or None, stagger=not args.no_stagger, warmup=args.warmup, repeats=args.repeats, device=args.device,
         dtype=args.dtype, tp=args.tp, max_context=args.max_context, draft_threads=args.draft_threads, pin=args.pin,
         pricing=Pricing(args.server_hw, args.edge_hw, tuple(prices.items())),
     )  # fmt: skip

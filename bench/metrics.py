@@ -1,7 +1,14 @@
 """From raw measurements to the reported numbers, with every definition in one place.
 
-- throughput_tok_s: generated tokens / the cell's wall time (first request sent
-  to last token received): tokens per server wall-second;
+- throughput_tok_s: decode throughput, as the paper reports it: tokens delivered
+  after each request's first token, per second of the steady window, from the
+  moment every edge has its first answer streaming (the ramp-up excluded) to the
+  moment the first edge has sent its last request's last token (the drain
+  excluded). Prefills of later requests fall inside the window, as in a steady
+  stream; their first tokens do not count. Without such a window (one request
+  per edge), from the first first token to the last token;
+- run_throughput_tok_s: every generated token / the cell's wall time (first
+  request sent to last token received), the whole-run figure;
 - itl_p50_ms, itl_p95_ms: over every token after an answer's first, the gap
   before its delivery divided by the tokens delivered with it (modes.py);
 - ttft_p50_ms: request sent -> first token received;
@@ -22,7 +29,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from .config import Pricing
+from .config import SERVER_DRIVEN, Pricing
+from .ideal import CostCurve, ideal_ratio
 from .modes import Cell, CellRun, RequestResult
 
 REQUIRED_FIELDS = (
@@ -56,6 +64,9 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         for position, count in run.counters.accepted_per_pos.items():
             per_pos[position] = per_pos.get(position, 0.0) + count
     tokens = sum(len(r.token_ids) for r in results)
+    windows = [steady_window(run.results) for run in runs]
+    decode_tokens = sum(w[0] for w in windows)
+    decode_s = sum(w[1] for w in windows)
     itl = [sample for r in results for sample in r.itl_samples_ms()]
     ttft = [r.ttft_ms for r in results if r.deliveries]
     busy_s = sum(counters[k] for k in ("forward_s", "schedule_s", "postprocess_s"))
@@ -70,7 +81,11 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         "requests": len(results),
         "tokens": tokens,
         "wall_s": wall_s,
-        "throughput_tok_s": _ratio(tokens, wall_s),
+        "throughput_tok_s": _ratio(decode_tokens, decode_s),
+        "run_throughput_tok_s": _ratio(tokens, wall_s),
+        "decode_window_s": decode_s,
+        "decode_tokens": decode_tokens,
+        "steady": all(w[2] for w in windows),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p95_ms": percentile(itl, 95),
         "itl_mean_ms": statistics.fmean(itl) if itl else None,
@@ -90,6 +105,7 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         "server_ms_per_step": _ratio(busy_s * 1e3, counters["steps"]),
         "tokens_per_step": _ratio(tokens, counters["steps"]),
         "draft_tokens_per_round": _ratio(counters["draft_tokens"], counters["drafts"]) if drafted else None,
+        "drafted_rounds": counters["drafts"],
         "mean_batch_size": _ratio(counters["rows"], counters["steps"]),
         "mean_batch_tokens": _ratio(counters["batch_tokens"], counters["steps"]),
         "server_steps": counters["steps"],
@@ -100,6 +116,27 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         "fallbacks": sum(1 for r in results if r.stats.get("fallback")),
         "load_average_1m": max(run.load_average for run in runs),  # the machine's, at the cell's end
     }
+
+
+def steady_window(results: Sequence[RequestResult]) -> tuple[int, float, bool]:
+    """(tokens after each request's first, seconds, whether a steady window existed) for one run."""
+    by_edge: dict[int, list[RequestResult]] = {}
+    for r in results:
+        if r.deliveries:
+            by_edge.setdefault(r.edge, []).append(r)
+    if not by_edge:
+        return 0, 0.0, False
+    deliveries = [(r.start_s + at / 1e3, count, i == 0) for r in results for i, (at, count) in enumerate(r.deliveries)]
+    first_tokens = [r.start_s + r.deliveries[0][0] / 1e3 for r in results if r.deliveries]
+    starts = [min(rs, key=lambda r: r.start_s) for rs in by_edge.values()]
+    ends = [max(rs, key=lambda r: r.start_s) for rs in by_edge.values()]
+    full = max(r.start_s + r.deliveries[0][0] / 1e3 for r in starts)  # every edge is streaming
+    drain = min(r.start_s + r.deliveries[-1][0] / 1e3 for r in ends)  # the first edge has finished
+    steady = drain > full
+    if not steady:
+        full, drain = min(first_tokens), max(at for at, _, _ in deliveries)
+    tokens = sum(count for at, count, first in deliveries if not first and full < at <= drain)
+    return tokens, max(0.0, drain - full), steady
 
 
 def per_category(results: Sequence[RequestResult]) -> dict[str, float]:
@@ -123,11 +160,32 @@ def add_ratios(records: list[dict]) -> None:
             continue
         record["vs_ar"] = {
             "throughput_x": _safe_div(record["throughput_tok_s"], ar["throughput_tok_s"]),
+            "run_throughput_x": _safe_div(record["run_throughput_tok_s"], ar["run_throughput_tok_s"]),
             "itl_p50_x": _safe_div(record["itl_p50_ms"], ar["itl_p50_ms"]),
             "itl_p95_x": _safe_div(record["itl_p95_ms"], ar["itl_p95_ms"]),
             # tokens per dollar, relative: AR's cost per token over this mode's
             "cost_efficiency_x": _safe_div(ar["cost_per_mtok_usd"], record["cost_per_mtok_usd"]),
         }
+
+
+def add_ideal(records: list[dict], curve: CostCurve | None) -> None:
+    """Each edge-drafted record's best ratio this machine allows (bench/ideal.py), beside its measured one.
+
+    The draft time d of a round is the edges' measured drafting time per drafted round; 0 with proactive
+    drafting, whose best case has the next draft ready when the reply lands.
+    """
+    for record in records:
+        x = record.get("vs_ar")
+        if x is None or record["mode"] in SERVER_DRIVEN:
+            continue
+        x["ideal_throughput_x"] = x["of_ideal"] = None
+        if curve is None or not record["drafted_rounds"]:
+            continue
+        draft_s = 0.0 if record["mode"] == "specedge_proactive" else record["edge_busy_s"] / record["drafted_rounds"]
+        k, rtt_s = record["draft_tokens_per_round"], record["rtt_ms"] / 1e3
+        ideal = ideal_ratio(curve, record["num_edges"], record["mean_accepted_length"], k, rtt_s, draft_s)
+        x["ideal_throughput_x"] = ideal
+        x["of_ideal"] = _safe_div(x["throughput_x"], ideal)
 
 
 def _safe_div(a: float | None, b: float | None) -> float | None:

@@ -129,6 +129,7 @@ async def run_cell(
     plan: Sequence[Sequence[Job]],  # per edge: the jobs it sends, in order
     drafters: Sequence,  # per edge (ignored by server-driven modes)
     on_done: Callable[[], None] = lambda: None,
+    stagger_s: float = 0.0,  # edge i sends its first request i * stagger_s after the cell starts
 ) -> tuple[float, list[RequestResult]]:
     """Run the cell; its wall time and every request's result."""
     use_drafter = cell.mode not in SERVER_DRIVEN
@@ -138,6 +139,7 @@ async def run_cell(
 
     async def edge(index: int, client: EdgeClient, jobs: Sequence[Job]) -> list[RequestResult]:
         results = []
+        await asyncio.sleep(index * stagger_s)
         for job in jobs:
             seed = config.seed + job.index if config.temperature > 0 else None
             deliveries: list[tuple[float, int]] = []

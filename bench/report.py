@@ -50,8 +50,14 @@ def summary_markdown(results: dict) -> str:
         "",
         "## Against server-only decoding (AR), same N and RTT",
         "",
-        "| mode | N | RTT ms | throughput x | ITL p50 x | ITL p95 x | cost efficiency x | acceptance | identical |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Throughput is decode throughput: tokens after each request's first, per second while every edge is "
+        "mid-stream (ramp-up and drain excluded); *whole run* counts every token over the cell's wall time. "
+        "*Ideal* is the best ratio this machine allows, from the server's cost curve measured in this run and "
+        "each cell's acceptance, draft length, round trip and draft time (bench/ideal.py, README).",
+        "",
+        "| mode | N | RTT ms | throughput x | ideal x | of ideal | whole run x | ITL p50 x | ITL p95 x | "
+        "cost efficiency x | acceptance | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         if r["mode"] == "ar" or not r.get("vs_ar"):
@@ -59,6 +65,8 @@ def summary_markdown(results: dict) -> str:
         x = r["vs_ar"]
         lines.append(
             f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | {_fmt(x['throughput_x'], '.2f', 'x')} | "
+            f"{_fmt(x.get('ideal_throughput_x'), '.2f', 'x')} | {_fmt(x.get('of_ideal'), '.0%')} | "
+            f"{_fmt(x.get('run_throughput_x'), '.2f', 'x')} | "
             f"{_fmt(x['itl_p50_x'], '.2f', 'x')} | {_fmt(x['itl_p95_x'], '.2f', 'x')} | "
             f"{_fmt(x['cost_efficiency_x'], '.2f', 'x')} | {_fmt(r['acceptance_rate'])} | "
             f"{r['identical_to_reference'] or '-'} |"
@@ -67,13 +75,14 @@ def summary_markdown(results: dict) -> str:
         "",
         "## Every cell",
         "",
-        "| mode | N | RTT ms | tok/s | ITL p50 ms | ITL p95 ms | TTFT p50 ms | acceptance | mean accepted length | "
-        "proactive hits | server busy | tok/busy-s | batch rows x tokens | ms/step | $/Mtok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | N | RTT ms | decode tok/s | whole-run tok/s | ITL p50 ms | ITL p95 ms | TTFT p50 ms | acceptance | "
+        "mean accepted length | proactive hits | server busy | tok/busy-s | batch rows x tokens | ms/step | $/Mtok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(
-            f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | {_fmt(r['throughput_tok_s'])} | "
+            f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | {_fmt(r['throughput_tok_s'])}"
+            f"{'' if r.get('steady', True) else ' (no steady window)'} | {_fmt(r.get('run_throughput_tok_s'))} | "
             f"{_fmt(r['itl_p50_ms'], '.0f')} | {_fmt(r['itl_p95_ms'], '.0f')} | {_fmt(r['ttft_p50_ms'], '.0f')} | "
             f"{_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} | {_fmt(r['proactive_hit_rate'])} | "
             f"{_fmt(r['server_busy_fraction'], '.0%')} | {_fmt(r['tokens_per_server_busy_s'])} | "
@@ -93,6 +102,9 @@ def summary_markdown(results: dict) -> str:
         lines += ["", f"Simulated edges replay `{profile['path']}` ({profile['draft']} -> {profile['target']}); "
                   f"draft latency {profile['draft_s_per_call'] * 1e3:.1f} ms per call + "
                   f"{profile['draft_s_per_token'] * 1e3:.1f} ms per token."]  # fmt: skip
+    if meta.get("cost_curve"):
+        points = ", ".join(f"{t:.0f}: {sec * 1e3:.0f}" for t, sec in meta["cost_curve"])
+        lines += ["", f"The server's forward cost, measured in this run (tokens per step: ms): {points}."]
     lines += ["", f"Raw measurements: results.json. Plots: {PLOTS_FILE}.", ""]
     return "\n".join(lines)
 
@@ -102,7 +114,8 @@ def _load(values) -> str:
 
 
 def plot(records: Sequence[dict], path: pathlib.Path) -> None:
-    """Four panels: throughput vs N, ITL p50/p95 vs N, acceptance per category, proactive hit rate vs N."""
+    """Five panels: throughput vs N, its ratio to AR (measured and ideal), ITL p50/p95 vs N, acceptance per
+    category, proactive hit rate vs N."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,8 +125,9 @@ def plot(records: Sequence[dict], path: pathlib.Path) -> None:
     rtts = sorted({r["rtt_ms"] for r in records})
     modes = [m for m in MODES if any(r["mode"] == m for r in records)]
     styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
-    (throughput, itl), (categories, hits) = axes
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
+    (throughput, ratio, itl), (categories, hits, spare) = axes
+    spare.axis("off")
     for mode_index, mode in enumerate(modes):
         color = f"C{mode_index}"
         for rtt_index, rtt in enumerate(rtts):
@@ -122,20 +136,31 @@ def plot(records: Sequence[dict], path: pathlib.Path) -> None:
             style = styles[rtt_index % len(styles)]
             throughput.plot(ns, [r["throughput_tok_s"] for r in rows], style, marker="o", color=color,
                             label=f"{mode}, {rtt:g} ms")  # fmt: skip
+            ratios = [(r["num_edges"], r["vs_ar"]) for r in rows if r.get("vs_ar") and mode != "ar"]
+            if ratios:
+                measured = [x["throughput_x"] for _, x in ratios]
+                label = f"{mode}, {rtt:g} ms"
+                ratio.plot([n for n, _ in ratios], measured, style, marker="o", color=color, label=f"{label}: measured")
+                ideal = [(n, x["ideal_throughput_x"]) for n, x in ratios if x.get("ideal_throughput_x")]
+                if ideal:
+                    xs, ys = [n for n, _ in ideal], [v for _, v in ideal]
+                    ratio.plot(xs, ys, style, color=color, alpha=0.5, linewidth=3, label=f"{label}: ideal")
             if rtt == rtts[-1]:
                 itl.plot(ns, [r["itl_p50_ms"] for r in rows], "-", marker="o", color=color, label=f"{mode} p50")
                 itl.plot(ns, [r["itl_p95_ms"] for r in rows], ":", marker="x", color=color, label=f"{mode} p95")
             if any(r["proactive_hit_rate"] is not None for r in rows):
                 hits.plot(ns, [r["proactive_hit_rate"] for r in rows], style, marker="o", color=color,
                           label=f"{mode}, {rtt:g} ms")  # fmt: skip
-    throughput.set(title="Server throughput", xlabel="concurrent edges N", ylabel="tokens / wall-second")
+    throughput.set(title="Decode throughput", xlabel="concurrent edges N", ylabel="tokens / second (steady window)")
+    ratio.set(title="Throughput against AR, measured and ideal", xlabel="concurrent edges N", ylabel="x AR")
+    ratio.axhline(1.0, color="grey", linewidth=0.8)
     itl.set(title=f"Inter-token latency at {rtts[-1]:g} ms RTT", xlabel="concurrent edges N", ylabel="ms")
     hits.set(title="Proactive hit rate", xlabel="concurrent edges N", ylabel="rounds whose next draft was ready",
              ylim=(0, 1))  # fmt: skip
     if not hits.get_legend_handles_labels()[0]:
         hits.text(0.5, 0.5, "no specedge_proactive cells in this run", ha="center", transform=hits.transAxes)
     _category_bars(categories, records)
-    for ax in (throughput, itl, hits):
+    for ax in (throughput, ratio, itl, hits):
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -6,7 +6,10 @@
     edges: real drafters, or simulated ones built from the references + profile
     warm-up: one unmeasured request per mode
     for each RTT, each N, each mode (modes back to back, so load noise hits all
-        alike), each repeat: run the cell; counters from /metrics before and after
+        alike), each repeat: run the cell, every edge a stream of requests, their
+        starts staggered; counters from /metrics before and after
+    the server's measured cost curve, for the best ratio this machine allows
+        (bench/ideal.py)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -24,7 +28,8 @@ from tqdm import tqdm
 
 from .config import SERVER_DRIVEN, BenchConfig
 from .edges import real_drafters, simulated_drafters
-from .metrics import add_ratios, summarize_cell
+from .ideal import CostCurve
+from .metrics import add_ideal, add_ratios, summarize_cell
 from .modes import Cell, CellRun, Job, run_cell
 from .prompts import assignment, interleave, load_prompts
 from .server import ServerProcess
@@ -65,25 +70,24 @@ def run_benchmark(config: BenchConfig, progress: bool = True, checkpoint: Callab
         pin_server = {cpus[0]}
     meta = _meta(config, profile, jobs, datetime.datetime.now(datetime.timezone.utc), os.getloadavg())
 
-    def results(raw, references) -> dict:
+    def results(raw, references, curve) -> dict:
         meta["machine"]["load_average_after"] = os.getloadavg()
-        return _results(config, meta, jobs, raw, references)
+        return _results(config, meta, jobs, raw, references, curve)
 
     with ServerProcess(server_args(config), pin_cpus=pin_server) as server:
         if pin_server:
             os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[1:]))
-        on_cell = (lambda raw, references: checkpoint(results(raw, references))) if checkpoint else None
-        raw, references = asyncio.run(
-            _measure(config, server, tokenizer.fingerprint, jobs, profile, progress, on_cell)
-        )
-    return results(raw, references)
+        on_cell = (lambda *measured: checkpoint(results(*measured))) if checkpoint else None
+        measured = asyncio.run(_measure(config, server, tokenizer.fingerprint, jobs, profile, progress, on_cell))
+    return results(*measured)
 
 
-def _results(config: BenchConfig, meta: dict, jobs: list[Job], raw, references) -> dict:
+def _results(config: BenchConfig, meta: dict, jobs: list[Job], raw, references, curve: CostCurve | None) -> dict:
     records = [summarize_cell(cell, runs, config.pricing) for cell, runs in raw]
     add_ratios(records)
+    add_ideal(records, curve)
     return {
-        "meta": meta,
+        "meta": {**meta, "cost_curve": None if curve is None else curve.to_json()},
         "records": records,
         "references": {job.prompt_id: references[job.index] for job in jobs},
         "raw": [
@@ -101,7 +105,7 @@ async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs
     ]
     total = sum(config.requests_for(c.num_edges, len(jobs)) * c.num_edges for c in cells) * config.repeats
     bar = tqdm(total=len(jobs) + total, desc="reference pass", unit="answer", disable=not progress, file=sys.stderr)
-    references = await _reference_pass(config, server.address, fingerprint, jobs, bar.update)
+    references, answer_s = await _reference_pass(config, server.address, fingerprint, jobs, bar.update)
     drafters = []
     if config.uses_edges:
         count = max(config.num_edges)
@@ -119,7 +123,8 @@ async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs
             for mode in config.modes:
                 plan = [[jobs[0]] * config.warmup]
                 await run_cell(Cell(mode, 1, 0.0), server.address, fingerprint, short, plan, drafters)
-        raw = []
+        raw: list = []
+        curve = None
         for cell in cells:
             runs = []
             for repeat in range(config.repeats):
@@ -129,9 +134,15 @@ async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs
                 busy_before = [getattr(d, "busy_s", 0.0) for d in drafters]
                 before = await asyncio.to_thread(server.scrape)
                 wall_s, results = await run_cell(
-                    dataclasses.replace(cell, repeat=repeat), server.address, fingerprint, config, plan, drafters,
+                    dataclasses.replace(cell, repeat=repeat),
+                    server.address,
+                    fingerprint,
+                    config,
+                    plan,
+                    drafters,
                     on_done=lambda: bar.update(1),
-                )  # fmt: skip
+                    stagger_s=answer_s / cell.num_edges if config.stagger else 0.0,
+                )
                 delta = (await asyncio.to_thread(server.scrape)) - before
                 edge_busy = 0.0
                 if cell.mode not in SERVER_DRIVEN:
@@ -141,13 +152,15 @@ async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs
                         result.identical = result.token_ids == references[index_of[result.prompt_id]]
                 runs.append(CellRun(wall_s, results, delta, edge_busy, os.getloadavg()[0]))
             raw.append((cell, runs))
+            points = await asyncio.to_thread(server.scrape_cost_points)  # every step so far, calibration included
+            curve = CostCurve(points) if points else None
             if on_cell is not None:
-                on_cell(raw, references)
+                on_cell(raw, references, curve)
     finally:
         bar.close()
         for drafter in drafters:
             drafter.close()
-    return raw, references
+    return raw, references, curve
 
 
 def _comparable(config: BenchConfig, mode: str) -> bool:
@@ -156,13 +169,17 @@ def _comparable(config: BenchConfig, mode: str) -> bool:
     return config.temperature == 0 or mode in SERVER_DRIVEN or config.edge_kind == "simulated"
 
 
-async def _reference_pass(config: BenchConfig, address: str, fingerprint, jobs: list[Job], on_done) -> list[list[int]]:
-    """Every prompt answered by the server alone, as many at once as the server has sessions for."""
+async def _reference_pass(
+    config: BenchConfig, address: str, fingerprint, jobs: list[Job], on_done
+) -> tuple[list[list[int]], float]:
+    """Every prompt answered by the server alone, as many at once as the server has sessions for; the
+    answers, and the median time an answer took (what the cells stagger their edges' starts by)."""
     width = min(len(jobs), config.max_sessions)
     plan = [jobs[i::width] for i in range(width)]
     _, results = await run_cell(Cell("ar", width, 0.0), address, fingerprint, config, plan, [], on_done=on_done)
     by_id = {r.prompt_id: r.token_ids for r in results}
-    return [by_id[job.prompt_id] for job in jobs]
+    answer_s = statistics.median(r.deliveries[-1][0] / 1e3 if r.deliveries else 0.0 for r in results)
+    return [by_id[job.prompt_id] for job in jobs], answer_s
 
 
 def _meta(config: BenchConfig, profile, jobs: list[Job], started, load_before) -> dict:

@@ -80,6 +80,11 @@ class ServerProcess:
     def _last_lines(self) -> str:
         return " | ".join(self._log[-5:]) or "no output"
 
+    def scrape_cost_points(self) -> list[tuple[float, float]]:
+        """The server's measured forward cost per token-count bucket: (tokens, seconds), by tokens."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).read().decode()
+        return sorted((float(t), float(s)) for t, s in _COST_POINT.findall(text))
+
     def scrape(self) -> ServerCounters:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).read().decode()
         return ServerCounters.parse(text)
@@ -97,6 +102,7 @@ _METRICS = {
     "draft_tokens": "specedge:spec_decode_num_draft_tokens_total",
     "accepted_tokens": "specedge:spec_decode_num_accepted_tokens_total",
 }
+_COST_POINT = re.compile(r'^specedge:step_cost_seconds\{tokens="([0-9.]+)"\} (\S+)$', re.M)
 _PER_POS = re.compile(r'^specedge:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\} (\S+)$', re.M)
 
 

@@ -116,6 +116,10 @@ class StepCostModel:
         self._num_steps += 1
         self._rows.append(batch_rows)
 
+    def points(self) -> list[tuple[float, float]]:
+        """The measured curve itself: (mean tokens, mean seconds) per token-count bucket, by tokens."""
+        return sorted((tokens, seconds) for tokens, seconds, _ in self._buckets.values())
+
     def fit(self) -> tuple[float, float] | None:
         """(a, b) by least squares over the buckets; None until the token counts vary enough."""
         points = [(tokens, seconds) for tokens, seconds, _ in self._buckets.values()]

@@ -90,6 +90,15 @@ class StatsCollector(Collector):
         for name, key, documentation in _GAUGES:
             yield GaugeMetricFamily(PREFIX + name, documentation, value=snapshot[key])
 
+        curve = GaugeMetricFamily(
+            PREFIX + "step_cost_seconds",
+            "Measured forward time of a step carrying about this many tokens (one point per token-count bucket).",
+            labels=["tokens"],
+        )
+        for tokens, seconds in snapshot["step_cost_points"]:
+            curve.add_metric([f"{tokens:.1f}"], seconds)
+        yield curve
+
         drafts, draft_tokens = snapshot["num_drafts"], snapshot["num_draft_tokens"]
         accepted = snapshot["num_accepted_tokens"]
         yield GaugeMetricFamily(

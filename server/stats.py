@@ -62,6 +62,7 @@ class ServerStats:
         self.step_cost_fixed_s = 0.0  # the measured curve: a step takes fixed + per_token * tokens seconds
         self.step_cost_per_token_s = 0.0
         self.step_cost_knee_tokens = 0  # 0: unknown, or tokens are free
+        self.step_cost_points: list[tuple[float, float]] = []  # (mean tokens, mean forward seconds) per bucket
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -127,6 +128,11 @@ class ServerStats:
             self.step_cost_fixed_s, self.step_cost_per_token_s = curve or (0.0, 0.0)
             self.step_cost_knee_tokens = knee_tokens or 0
 
+    def set_step_cost_points(self, points: list[tuple[float, float]]) -> None:
+        """The measured forward cost per token-count bucket (scheduler/speculation.py StepCostModel.points)."""
+        with self._lock:
+            self.step_cost_points = list(points)
+
     def observe_queue_wait(self, seconds: float) -> None:
         with self._lock:
             self.queue_wait_s.observe(seconds)
@@ -174,6 +180,7 @@ class ServerStats:
                 "step_cost_fixed_s": self.step_cost_fixed_s,
                 "step_cost_per_token_s": self.step_cost_per_token_s,
                 "step_cost_knee_tokens": self.step_cost_knee_tokens,
+                "step_cost_points": list(self.step_cost_points),
                 **{
                     name: copy.deepcopy(getattr(self, name))
                     for name in ("queue_wait_s", "forward_s", "schedule_s", "postprocess_s", "batch_size", "batch_tokens")

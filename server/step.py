@@ -172,6 +172,7 @@ class Stepper:
                 started = time.monotonic()
                 self.runner.forward_packed([ForwardRequest(0, 0, (0,) * num_tokens)])
                 self.cost_model.observe(batch_tokens=num_tokens, batch_rows=1, seconds=time.monotonic() - started)
+            self.stats.set_step_cost_points(self.cost_model.points())
         except Exception:  # the engine still serves, from the default budget until steps are measured
             log.exception("timing the step cost curve failed")
         if self.runner.device.type == "cpu":
@@ -182,6 +183,7 @@ class Stepper:
         """Feed the cost curve (only steps without retries: those would skew it) and the load."""
         if clean and batch_rows:
             self.cost_model.observe(batch_tokens=batch_tokens, batch_rows=batch_rows, seconds=seconds)
+            self.stats.set_step_cost_points(self.cost_model.points())
         self._budget_share += 0.25 * (min(1.0, batch_tokens / self.max_batch_tokens) - self._budget_share)
         self.load = self.cost_model.load(fallback=self._budget_share)
 

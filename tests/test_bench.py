@@ -10,7 +10,8 @@ import pytest
 from harness import tiny_server
 from specedge.bench import cli
 from specedge.bench.config import MODES, BenchConfig, Pricing
-from specedge.bench.metrics import REQUIRED_FIELDS, add_ratios, percentile, summarize_cell
+from specedge.bench.ideal import CostCurve, ideal_ratio
+from specedge.bench.metrics import REQUIRED_FIELDS, add_ideal, add_ratios, percentile, steady_window, summarize_cell
 from specedge.bench.modes import Cell, CellRun, Job, RequestResult, run_cell
 from specedge.bench.prompts import assignment, interleave, load_prompts
 from specedge.bench.report import write_report
@@ -133,10 +134,12 @@ def test_simulated_edge_has_exactly_the_profile_acceptance(tiny_target_dir, rand
         assert per_pos == {0: drafts, 1: drafts, 2: 0}
 
 
-def _result(deliveries, accepted=0, drafted=0, category="code", hits=0, rounds=0, tokens=None) -> RequestResult:
+def _result(
+    deliveries, accepted=0, drafted=0, category="code", hits=0, rounds=0, tokens=None, edge=0, start_s=0.0
+) -> RequestResult:
     count = sum(n for _, n in deliveries)
     return RequestResult(
-        edge=0, prompt_id="p", category=category, token_ids=tokens or [1] * count, finish="length", start_s=0.0,
+        edge=edge, prompt_id="p", category=category, token_ids=tokens or [1] * count, finish="length", start_s=start_s,
         deliveries=deliveries, stats={"accepted_tokens": accepted, "draft_tokens": drafted, "fallback": None},
         proactive_rounds=rounds, proactive_hits=hits, identical=True,
     )  # fmt: skip
@@ -159,14 +162,15 @@ def _two_records() -> tuple[dict, dict]:
     pricing = Pricing("srv", "edge", (("srv", 3600.0), ("edge", 360.0)))  # $1 and $0.10 per second
     ar = summarize_cell(
         Cell("ar", 2, 14.0),
-        [CellRun(10.0, [_result([(0.0, 1)] * 50), _result([(0.0, 1)] * 50)], _counters(forward_s=8, steps=100, rows=200),
-                 0.0, 1.0)],
+        [CellRun(10.0, [_result([(i * 100.0, 1) for i in range(50)], edge=e) for e in (0, 1)],
+                 _counters(forward_s=8, steps=100, rows=200), 0.0, 1.0)],
         pricing,
     )
     spec = summarize_cell(
         Cell("specedge_proactive", 2, 14.0),
-        [CellRun(4.0, [_result([(0.0, 2)] * 25, accepted=60, drafted=80, hits=6, rounds=8, category="chat"),
-                       _result([(0.0, 2)] * 25, accepted=15, drafted=20, hits=2, rounds=8)],
+        [CellRun(4.0, [_result([(i * 160.0, 2) for i in range(25)], accepted=60, drafted=80, hits=6, rounds=8,
+                               category="chat"),
+                       _result([(i * 160.0, 2) for i in range(25)], accepted=15, drafted=20, hits=2, rounds=8, edge=1)],
                  _counters(forward_s=3, schedule_s=0.5, postprocess_s=0.5, steps=25, rows=50, drafts=25,
                            draft_tokens=100, accepted_tokens=75, per_pos={0: 25, 1: 20, 2: 20, 3: 10}), 2.0, 1.0)],
         pricing,
@@ -176,9 +180,11 @@ def _two_records() -> tuple[dict, dict]:
 
 def test_cell_summary_throughput_cost_and_ratios():
     ar, spec = _two_records()
-    assert ar["throughput_tok_s"] == 10.0 and ar["acceptance_rate"] is None and ar["proactive_hit_rate"] is None
+    # Decode: tokens after each first, over the window both edges stream in: 2 x 49 in 4.9 s; 2 x 2 x 24 in 3.84 s.
+    assert ar["throughput_tok_s"] == pytest.approx(20.0) and spec["throughput_tok_s"] == pytest.approx(25.0)
+    assert ar["run_throughput_tok_s"] == 10.0 and ar["acceptance_rate"] is None and ar["proactive_hit_rate"] is None
     assert ar["cost_per_mtok_usd"] == pytest.approx(10.0 / 100 * 1e6)
-    assert spec["throughput_tok_s"] == 25.0 and spec["server_busy_fraction"] == 1.0
+    assert spec["run_throughput_tok_s"] == 25.0 and spec["server_busy_fraction"] == 1.0
     assert spec["acceptance_rate"] == 0.75 and spec["mean_accepted_length"] == 4.0
     assert spec["acceptance_per_position"] == [1.0, 0.8, 0.8, 0.4]
     assert spec["acceptance_per_category"] == {"chat": 0.75, "code": 0.75}
@@ -186,8 +192,45 @@ def test_cell_summary_throughput_cost_and_ratios():
     assert spec["cost_per_mtok_usd"] == pytest.approx((4.0 + 0.2) / 100 * 1e6)  # edges pay for drafting time only
     records = [ar, spec]
     add_ratios(records)
-    assert spec["vs_ar"]["throughput_x"] == 2.5
+    assert spec["vs_ar"]["throughput_x"] == pytest.approx(1.25) and spec["vs_ar"]["run_throughput_x"] == 2.5
     assert spec["vs_ar"]["cost_efficiency_x"] == pytest.approx(10.0 / 4.2)
+
+
+def test_decode_throughput_counts_only_the_window_every_edge_streams_in():
+    # Edge 0 asks twice from 0 s; edge 1 starts 1 s late (staggered). Absolute delivery times in comments.
+    results = [
+        _result([(250.0, 1), (500.0, 1), (750.0, 1)]),  # 0.25 (first), 0.5, 0.75
+        _result([(250.0, 1), (500.0, 2), (750.0, 1)], start_s=0.75),  # 1.0 (first), 1.25, 1.5
+        _result([(250.0, 1), (500.0, 1), (750.0, 1)], edge=1, start_s=1.0),  # 1.25 (first), 1.5, 1.75
+    ]
+    # Every edge streams from 1.25 s (edge 1's first token) until 1.5 s (edge 0's last): 2 tokens in 0.25 s.
+    tokens, seconds, steady = steady_window(results)
+    assert (tokens, steady) == (2, True) and seconds == pytest.approx(0.25)
+    # Edge 0 is done before edge 1 streams: no steady window; from the first first token to the last token.
+    apart = [_result([(250.0, 1), (500.0, 2)]), _result([(250.0, 1), (500.0, 1)], edge=1, start_s=0.5)]
+    tokens, seconds, steady = steady_window(apart)
+    assert (tokens, steady) == (3, False) and seconds == pytest.approx(0.75)
+
+
+def test_ideal_ratio_from_the_measured_cost_curve():
+    curve = CostCurve([(40, 0.45), (5, 0.19), (8, 0.20)])
+    assert curve.seconds(1) == 0.19  # flat below the first point
+    assert curve.seconds(24) == pytest.approx(0.325)  # linear between points
+    assert curve.seconds(80) == pytest.approx(0.45 + 0.25 / 32 * 40)  # the last segment's slope beyond
+    # N = 8: the server bounds it, T(40) = 0.45 > 0.06 + 0.014 + T(5): 3.2 * T(8) / T(40) (README's example).
+    assert ideal_ratio(curve, 8, 3.2, 4, 0.014, 0.06) == pytest.approx(3.2 * 0.20 / 0.45)
+    # N = 1: the edge does, its draft and round trip on top of a lone verify; proactive hides the draft.
+    assert ideal_ratio(curve, 1, 3.2, 4, 0.014, 0.06) == pytest.approx(3.2 * 0.19 / (0.06 + 0.014 + 0.19))
+    assert ideal_ratio(curve, 1, 3.2, 4, 0.014, 0.0) == pytest.approx(3.2 * 0.19 / (0.014 + 0.19))
+    ar, spec = _two_records()
+    records = [ar, spec]
+    add_ratios(records)
+    add_ideal(records, curve)
+    # spec: L = 4, k = 4, N = 2, RTT 14 ms, proactive: 4 * T(2) / max(T(10), 0.014 + T(5)).
+    expected = 4 * 0.19 / max(curve.seconds(10), 0.014 + 0.19)
+    assert spec["vs_ar"]["ideal_throughput_x"] == pytest.approx(expected)
+    assert spec["vs_ar"]["of_ideal"] == pytest.approx(1.25 / expected)
+    assert "ideal_throughput_x" not in ar["vs_ar"]
 
 
 def test_report_writes_json_markdown_and_png(tmp_path):
@@ -207,7 +250,7 @@ def test_report_writes_json_markdown_and_png(tmp_path):
     summary = paths[1].read_text()
     ratios_at = summary.index("## Against server-only decoding")
     assert ratios_at < summary.index("## Every cell")  # the ratios head the report
-    assert "| specedge_proactive | 2 | 14 | 2.50x |" in summary
+    assert "| specedge_proactive | 2 | 14 | 1.25x |" in summary
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -254,6 +297,12 @@ def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, 
         assert (record["proactive_hit_rate"] is not None) == (mode == "specedge_proactive")
         assert (record["vs_ar"]["throughput_x"] == 1.0) if mode == "ar" else record["vs_ar"]["throughput_x"] > 0
         assert record["edge_busy_s"] > 0 if mode.startswith("specedge") else record["edge_busy_s"] == 0
+        assert record["run_throughput_tok_s"] > 0 and record["decode_window_s"] > 0
+        if mode.startswith("specedge"):  # the best ratio this machine allows, from the server's measured curve
+            assert record["vs_ar"]["ideal_throughput_x"] > 0 and record["vs_ar"]["of_ideal"] > 0
+    # The server's cost curve, scraped from its /metrics: calibration's sizes and the run's steps, by tokens.
+    curve = results["meta"]["cost_curve"]
+    assert len(curve) >= 3 and all(seconds > 0 for _, seconds in curve) and curve == sorted(curve)
     assert len(results["references"]) == 3 and results["meta"]["profile"]["draft_s_per_token"] == 0.002
 
 
@@ -262,7 +311,8 @@ def test_bench_runs_real_draft_models_as_edges(tiny_target_dir, tiny_draft_dir, 
                      "real", "--modes", "specedge", "specedge_proactive", "--num-edges", "2", "--max-prompts", "2",
                      "--warmup", "0")  # fmt: skip
     for record in results["records"]:
-        assert record["identical_to_reference"] == "2/2" and record["acceptance_rate"] > 0
+        assert record["requests"] == 2 * 4  # a stream of 4 requests per edge, by default
+        assert record["identical_to_reference"] == "8/8" and record["acceptance_rate"] > 0
         assert record["edge_busy_s"] > 0 and record["vs_ar"] is None  # no ar cell to compare with
     assert results["meta"]["profile"] is None
 
