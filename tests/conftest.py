@@ -65,3 +65,24 @@ def reference_model(tiny_target_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def server(request, tiny_target_dir):
+    """One server on the tiny target for the whole module, shaped by the module's marker:
+
+        pytestmark = pytest.mark.server_options(max_sessions=6, max_draft_tokens=16)
+
+    Keywords: max_context (default 256); draft=True serves the tiny draft too (the server's own drafter);
+    metrics_port; process=True runs `specedge-server` as a subprocess (a harness.ServerProcess, max_context
+    only) instead of a harness.ServerThread; everything else is an EngineConfig field.
+    """
+    from harness import ServerProcess, tiny_server  # imports the server, torch included: not for every test module
+
+    marker = request.node.get_closest_marker("server_options")
+    options = dict(marker.kwargs) if marker is not None else {}
+    if options.pop("draft", False):
+        options["draft_model"] = request.getfixturevalue("tiny_draft_dir")
+    as_process = options.pop("process", False)
+    with (ServerProcess if as_process else tiny_server)(tiny_target_dir, **options) as running:
+        yield running

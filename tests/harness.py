@@ -57,12 +57,34 @@ class ServerThread:
         self._thread.join(timeout=30)
 
 
-def tiny_server(model_dir, *, max_context: int = 256, **engine_options) -> ServerThread:
+def tiny_server(
+    model_dir, *, max_context: int = 256, draft_model=None, metrics_port: int | None = None, **engine_options
+) -> ServerThread:
     """A server thread for a tiny model: `with tiny_server(dir, max_sessions=8) as server:`."""
     from specedge.server.engine import EngineConfig
 
-    engine = EngineConfig(**engine_options)
-    return ServerThread(ServerConfig(model=str(model_dir), port=0, max_context=max_context, engine=engine))
+    config = ServerConfig(
+        model=str(model_dir), port=0, max_context=max_context, engine=EngineConfig(**engine_options),
+        draft_model=None if draft_model is None else str(draft_model), metrics_port=metrics_port,
+    )  # fmt: skip
+    return ServerThread(config)
+
+
+class ServerProcess:
+    """`with ServerProcess(dir) as server:` runs `specedge-server --model DIR` as a user would, on server.address.
+
+    For the tests of the command line itself, and of how the process ends (server.process).
+    """
+
+    def __init__(self, model_dir, *, max_context: int = 256):
+        self.process, self.address = start_server_process("--model", str(model_dir), "--max-context", str(max_context))
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
 
 
 def free_port() -> int:

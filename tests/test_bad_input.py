@@ -8,24 +8,17 @@ import grpc
 import pytest
 from transformers import AutoModelForCausalLM
 
-from harness import ServerThread
 from raw_edge import PROMPT, Edge, status_of
 from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.tokenizer import HFTokenizer
-from specedge.server.app import ServerConfig
-from specedge.server.engine import EngineConfig
 from specedge.v1 import specedge_pb2 as pb
 
 MAX_SESSIONS, MAX_CONTEXT, MAX_DRAFT = 3, 128, 8
 ONE_HOT_5 = pb.SparseDistribution(token_ids=[5], probs=[1.0])
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    engine = EngineConfig(max_sessions=MAX_SESSIONS, max_draft_tokens=MAX_DRAFT)
-    with ServerThread(ServerConfig(model=str(tiny_target_dir), port=0, max_context=MAX_CONTEXT, engine=engine)) as s:
-        yield s
+pytestmark = pytest.mark.server_options(max_context=MAX_CONTEXT, max_sessions=MAX_SESSIONS, max_draft_tokens=MAX_DRAFT)
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,10 @@ import time
 
 import pytest
 
-from harness import start_server_process
-
 BIN = os.path.dirname(sys.executable)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    process, address = start_server_process("--model", str(tiny_target_dir), "--max-context", "256")
-    yield process, address
-    if process.poll() is None:
-        process.kill()
+pytestmark = pytest.mark.server_options(process=True)
 
 
 def edge(*args: str) -> subprocess.CompletedProcess:
@@ -29,7 +22,7 @@ def edge(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_edge_json_speculative_equals_server_only(server, tiny_draft_dir):
-    _, address = server
+    address = server.address
     common = ["--server", address, "--draft", str(tiny_draft_dir), "--prompt", "print(i * i)", "--max-tokens", "30"]
     spec = edge(*common, "--json", "--num-draft", "4", "--no-fallback")
     alone = edge(*common, "--json", "--server-only")
@@ -45,7 +38,7 @@ def test_edge_json_speculative_equals_server_only(server, tiny_draft_dir):
 
 
 def test_edge_errors_are_one_actionable_line(server, tiny_draft_dir, tiny_foreign_dir):
-    _, address = server
+    address = server.address
     cases = {
         "cannot reach the server at 127.0.0.1:9": ["--server", "127.0.0.1:9", "--draft", str(tiny_draft_dir)],
         "unknown model 'no-such-model'; known names:": ["--server", address, "--draft", "no-such-model"],
@@ -59,7 +52,7 @@ def test_edge_errors_are_one_actionable_line(server, tiny_draft_dir, tiny_foreig
 
 
 def test_streamed_answer_with_a_stats_line(server, tiny_draft_dir):
-    _, address = server
+    address = server.address
     common = ["--server", address, "--draft", str(tiny_draft_dir), "--prompt", "print(i * i)", "--max-tokens", "30"]
     streamed = edge(*common, "--stats")
     as_json = edge(*common, "--json")
@@ -78,7 +71,7 @@ def test_server_refuses_an_unknown_model_in_one_line():
 
 
 def test_server_stops_cleanly_on_sigterm(server):
-    process, _ = server
+    process = server.process
     process.send_signal(signal.SIGTERM)
     started = time.monotonic()
     assert process.wait(timeout=30) == 0

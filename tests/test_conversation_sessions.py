@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from harness import tiny_server
 from reference import greedy_decode
 from specedge.edge_client.client import EdgeClient, EdgeError
 from specedge.edge_client.drafting.base import DraftChain
@@ -27,11 +26,8 @@ MAX_CONTEXT = 128
 EIGHT_TOKENS = SpeculationPolicy(max_new_tokens=8)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    # One session per identity: a session left open by mistake makes the next one be refused.
-    with tiny_server(tiny_target_dir, max_context=MAX_CONTEXT, max_sessions=4, max_sessions_per_identity=1) as running:
-        yield running
+# One session per identity: a session left open by mistake makes the next one be refused.
+pytestmark = pytest.mark.server_options(max_context=MAX_CONTEXT, max_sessions=4, max_sessions_per_identity=1)
 
 
 @pytest.fixture(scope="module")

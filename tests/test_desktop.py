@@ -13,7 +13,7 @@ import os
 import stat
 
 import pytest
-from harness import ServerThread, free_port, make_pki, tiny_server
+from harness import ServerThread, free_port, make_pki
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QInputDialog, QMessageBox
@@ -41,10 +41,7 @@ WAIT_MS = 60_000
 FAST = dict(watch_interval_s=0.3, retry_initial_s=0.3, retry_max_s=0.6)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    with tiny_server(tiny_target_dir, max_context=512, max_sessions=4) as running:
-        yield running
+pytestmark = pytest.mark.server_options(max_context=512, max_sessions=4)
 
 
 def open_window(qtbot, data_dir, address, draft, *, max_tokens=MAX_TOKENS, settings=True, **worker) -> MainWindow:
@@ -514,7 +511,6 @@ def test_real_pair_answer_and_screenshot(qtbot, tmp_path):
     finally:
         process.send_signal(2)
         process.wait(timeout=30)
-
 
 
 SIGNAL_STORM = """

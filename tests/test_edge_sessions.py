@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from harness import free_port, start_server_process, tiny_server
+from harness import free_port, start_server_process
 from reference import greedy_decode
 from specedge.edge_client.client import ConnectionConfig, EdgeClient
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
@@ -29,10 +29,7 @@ from specedge.edge_client.tokenizer import HFTokenizer
 BIN = os.path.dirname(sys.executable)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    with tiny_server(tiny_target_dir, max_context=512, max_sessions=6, max_draft_tokens=16) as running:
-        yield running
+pytestmark = pytest.mark.server_options(max_context=512, max_sessions=6, max_draft_tokens=16)
 
 
 def prompt_tokens_prefilled(server) -> int:

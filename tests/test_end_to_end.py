@@ -7,7 +7,6 @@ import asyncio
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from harness import ServerThread
 from reference import greedy_decode
@@ -32,13 +31,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    config = ServerConfig(
-        model=str(tiny_target_dir), port=0, max_context=256, engine=EngineConfig(max_sessions=6, max_draft_tokens=16)
-    )
-    with ServerThread(config) as running:
-        yield running
+pytestmark = pytest.mark.server_options(max_sessions=6, max_draft_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +44,6 @@ def drafter(tiny_draft_dir):
     drafter = TorchDrafter(tiny_draft_dir)
     yield drafter
     drafter.close()
-
-
-@pytest.fixture(scope="module")
-def reference_model(tiny_target_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_target_dir)
 
 
 def generate(server, tokenizer, prompt, drafter, **config):

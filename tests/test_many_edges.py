@@ -11,7 +11,6 @@ import urllib.request
 
 import grpc
 import pytest
-from transformers import AutoModelForCausalLM
 
 from harness import ServerThread
 from reference import greedy_decode
@@ -31,25 +30,15 @@ MAX_NEW = 32
 SAMPLED = SamplingParams(temperature=0.8, top_k=40)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir, tiny_draft_dir):
-    engine = EngineConfig(max_sessions=24, batcher=BatcherConfig(max_batch_tokens=96, prefill_reserve=16))
-    config = ServerConfig(
-        model=str(tiny_target_dir), port=0, max_context=320, engine=engine,
-        draft_model=str(tiny_draft_dir), metrics_port=0,
-    )  # fmt: skip
-    with ServerThread(config) as running:
-        yield running
+pytestmark = pytest.mark.server_options(
+    max_context=320, draft=True, metrics_port=0, max_sessions=24,
+    batcher=BatcherConfig(max_batch_tokens=96, prefill_reserve=16),
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_target_dir):
     return HFTokenizer(tiny_target_dir)
-
-
-@pytest.fixture(scope="module")
-def reference_model(tiny_target_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_target_dir)
 
 
 def prompt_for(tokenizer, i: int) -> list[int]:

@@ -32,10 +32,7 @@ from specedge.server.app import ServerConfig
 CHATS = ["def add(a, b):", "The quick brown fox", "print(i * i)"]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    with tiny_server(tiny_target_dir, max_sessions=6, max_draft_tokens=16) as running:
-        yield running
+pytestmark = pytest.mark.server_options(max_sessions=6, max_draft_tokens=16)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from harness import tiny_server
 from p_min import confident_length, keeps_an_unlikely_draw, min_prob_between
 from reference import greedy_decode
 from specedge.edge_client.client import ConnectionConfig, EdgeClient
@@ -175,10 +174,7 @@ def test_predrafts_cut_sampled_chains_by_the_drafters_rule(tiny_draft_dir):
     asyncio.run(scenario())
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    with tiny_server(tiny_target_dir, max_context=256, max_sessions=8, max_draft_tokens=24) as running:
-        yield running
+pytestmark = pytest.mark.server_options(max_context=256, max_sessions=8, max_draft_tokens=24)
 
 
 def run_edge(server, tokenizer, prompt, drafter, connection=ConnectionConfig(), **policy):

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from harness import ServerThread, tiny_server
+from harness import ServerThread
 from specedge.edge_client import generation
 from specedge.edge_client.client import EdgeClient
 from specedge.edge_client.drafting.base import CoupledSampling
@@ -38,10 +38,7 @@ SAMPLINGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_target_dir):
-    with tiny_server(tiny_target_dir, max_sessions=4, max_draft_tokens=16) as running:
-        yield running
+pytestmark = pytest.mark.server_options(max_sessions=4, max_draft_tokens=16)
 
 
 @pytest.fixture(scope="module")
