@@ -237,7 +237,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
             x = torch.randn(m, in_features).to(dtype)
             row: dict = {"m": m}
             for name, kernel in kernels.items():
-                row[name] = kernel if isinstance(kernel, str) else statistics.median(_times_ms(lambda k=kernel: k(x), repeats))
+                row[name] = kernel if isinstance(kernel, str) else statistics.median(_times_ms(lambda k=kernel, x=x: k(x), repeats))
             row["inductor"], compile_s[m] = _inductor_frozen_ms(linear, x, repeats)
             rows.append(row)
     return {"shape": [out_features, in_features], "weight_bytes": linear.weight.nbytes, "rows": rows, "compile_s": compile_s}
@@ -333,7 +333,7 @@ def host_draws(sample: torch.Tensor, config: EngineBenchConfig) -> dict:
         within_reach = logits >= (logits.max(dim=-1).values - HOST_TEMPERATURE * noise.GUMBEL_MAX)[:, None]
         times = {"fraction_within_race_bound": within_reach.float().mean().item()}
         for kind, rows in _host_rows(logits, config).items():
-            runs = _times_ms(lambda rows=rows: draw_rows(logits, rows), config.repeats)
+            runs = _times_ms(lambda logits=logits, rows=rows: draw_rows(logits, rows), config.repeats)
             times[kind] = {"ms": statistics.median(runs), "times_ms": runs}
         results[case] = times
     return results

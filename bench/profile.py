@@ -96,7 +96,7 @@ def record_profile(config: ProfileConfig, progress: bool = True) -> AcceptancePr
         draft=config.draft, target=config.target, categories=categories,
         draft_s_per_call=s_per_call, draft_s_per_token=s_per_token,
         meta={
-            "recorded_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "recorded_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "num_draft": config.num_draft, "max_tokens": config.max_tokens, "cpus": os.cpu_count(),
             "load_average_before": load_before, "load_average_after": os.getloadavg(),
             "prompts": [{k: m[k] for k in ("id", "category", "prompt_tokens", "output_tokens", "acceptance_rate")}

@@ -68,7 +68,7 @@ def run_benchmark(config: BenchConfig, progress: bool = True, checkpoint: Callab
         if len(cpus) < 2:
             raise ValueError("--pin needs at least 2 CPUs")
         pin_server = {cpus[0]}
-    meta = _meta(config, profile, jobs, datetime.datetime.now(datetime.timezone.utc), os.getloadavg())
+    meta = _meta(config, profile, jobs, datetime.datetime.now(datetime.UTC), os.getloadavg())
 
     def results(raw, references, curve) -> dict:
         meta["machine"]["load_average_after"] = os.getloadavg()

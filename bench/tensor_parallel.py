@@ -61,7 +61,7 @@ def lossless(runs: dict[int, dict]) -> bool:
 def comparison(runs: dict[int, dict]) -> str:
     base_tp, base = next(iter(runs.items()))
     lines = [
-        "| mode | N | --tp | tokens/s | vs --tp %d | tokens per server-busy-s | ITL p50 ms | acceptance |" % base_tp,
+        f"| mode | N | --tp | tokens/s | vs --tp {base_tp} | tokens per server-busy-s | ITL p50 ms | acceptance |",
         "|---|---|---|---|---|---|---|---|",
     ]
     baseline = {(r["mode"], r["num_edges"], r["rtt_ms"]): r for r in base["records"]}

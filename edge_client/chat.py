@@ -79,7 +79,7 @@ async def chat(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
             text = IncrementalText(runtime.tokenizer, runtime.tokenizer.eos_token_ids)
             answer: list[str] = []
 
-            def show(token_ids) -> None:
+            def show(token_ids, text=text, answer=answer) -> None:  # this turn's, though called after the loop moves
                 piece = text.feed(token_ids)
                 answer.append(piece)
                 out.write(piece)

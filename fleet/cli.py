@@ -22,8 +22,14 @@ import sys
 
 from specedge.fleet import topics
 from specedge.fleet.broker import (
-    BrokerConfig, FleetError, add_broker_options, broker_errors, broker_from_args, run_together, stay_connected,
-)  # fmt: skip
+    BrokerConfig,
+    FleetError,
+    add_broker_options,
+    broker_errors,
+    broker_from_args,
+    run_together,
+    stay_connected,
+)
 from specedge.fleet.messages import DRAIN, DRAINING, OFFLINE, SERVING, Command, ServerStatus
 from specedge.fleet.view import FleetView, load_rank
 
@@ -98,7 +104,7 @@ async def send_command(broker: BrokerConfig, server_id: str, command: Command, t
         if seen.message.health != want:
             try:
                 await asyncio.wait_for(until(lambda: view.servers[server_id].message.health == want), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise FleetError(
                     f"server {server_id} did not confirm within {timeout_s:.0f} s; is it connected to {broker.url}?"
                 ) from None

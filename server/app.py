@@ -15,14 +15,13 @@ from grpc_reflection.v1alpha import reflection
 
 from specedge.registry import resolve
 from specedge.scheduler import slots_within_budget
-from specedge.tokens import IncompatibleTokenizer, check_compatible
+from specedge.server.attention import ATTENTION_KINDS, resolve_attention
 from specedge.server.auth import Authenticator
 from specedge.server.decoding import LenientDecoding
 from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.engine import Engine, EngineConfig
 from specedge.server.limits import DEFAULT_MAX_ATTACH_PER_IDENTITY, AttachLimiter, RateLimitConfig, RoundRateLimiter
 from specedge.server.loading import load_target, weights_dir
-from specedge.server.attention import ATTENTION_KINDS, resolve_attention
 from specedge.server.matmul import MATMUL_KINDS, resolve_matmul
 from specedge.server.metrics import start_metrics_server, stop_metrics_server
 from specedge.server.parallel import check_splittable
@@ -32,6 +31,7 @@ from specedge.server.service import SpecEdgeService
 from specedge.server.stats import ServerStats
 from specedge.server.tp_runner import TensorParallelRunner
 from specedge.server.transport import TransportConfig
+from specedge.tokens import IncompatibleTokenizer, check_compatible
 from specedge.v1 import specedge_pb2, specedge_pb2_grpc
 
 if TYPE_CHECKING:

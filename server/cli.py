@@ -203,8 +203,8 @@ def _run_worker(args: argparse.Namespace, rank: int, world_size: int, local_rank
     """A torchrun rank other than 0: it loads its shard and runs rank 0's steps; rank 0 serves."""
     from specedge.registry import resolve
     from specedge.server.app import ServerConfig
-    from specedge.server.loading import weights_dir
     from specedge.server.attention import resolve_attention
+    from specedge.server.loading import weights_dir
     from specedge.server.matmul import resolve_matmul
 
     config = ServerConfig(

@@ -38,8 +38,8 @@ import torch
 import torch.multiprocessing
 from torch import distributed as dist
 
-from specedge.server.parallel import GroupCollectives, load_shard
 from specedge.server.matmul import pack_for_onednn
+from specedge.server.parallel import GroupCollectives, load_shard
 from specedge.server.runner import KVCache, ModelRunner
 from specedge.server.tp_runner import Op, send_step, serve_steps
 

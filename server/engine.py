@@ -31,7 +31,7 @@ from specedge.server.runner import Runner
 from specedge.server.server_draft import ServerDrafter
 from specedge.server.session import Session
 from specedge.server.stats import ServerStats
-from specedge.server.step import RoundOutcome, RoundTiming, StepResult, StepRow, Stepper, Work
+from specedge.server.step import RoundOutcome, RoundTiming, Stepper, StepResult, StepRow, Work
 from specedge.types import FinishReason
 
 __all__ = ["Engine", "EngineConfig", "RoundOutcome", "RoundTiming"]

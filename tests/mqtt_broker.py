@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import pytest
+
 from harness import free_port
 
 

@@ -289,7 +289,7 @@ def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, 
                      str(profile), "--num-edges", "1", "2", "--max-prompts", "3")  # fmt: skip
     records = {(r["mode"], r["num_edges"]): r for r in results["records"]}
     assert set(records) == {(mode, n) for mode in MODES for n in (1, 2)}
-    for (mode, n), record in records.items():
+    for (mode, _num_edges), record in records.items():
         assert all(field in record for field in REQUIRED_FIELDS)
         assert record["tokens"] > 0 and record["throughput_tok_s"] > 0
         assert record["identical_to_reference"] == f"{record['requests']}/{record['requests']}"  # lossless everywhere

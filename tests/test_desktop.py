@@ -13,11 +13,11 @@ import os
 import stat
 
 import pytest
-from harness import ServerThread, free_port, make_pki
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QInputDialog, QMessageBox
 
+from harness import ServerThread, free_port, make_pki
 from specedge import registry
 from specedge.edge_client.channel import ChannelSecurity
 from specedge.edge_client.client import ConnectionConfig
@@ -376,7 +376,6 @@ def test_refusal_words_for_what_the_tests_cannot_stage_cheaply():
 def test_fleet_broker_chooses_the_server(qtbot, tmp_path, tiny_target_dir, tiny_draft_dir):
     """As `specedge-edge --discover`: the server announced on the broker, not the (dead) fallback address."""
     from mqtt_broker import Broker
-
     from specedge.fleet.announcer import AnnouncerConfig
     from specedge.fleet.broker import BrokerConfig
 

@@ -19,10 +19,9 @@ import sys
 
 import pytest
 import torch
-from p_min import confident_length, keeps_an_unlikely_draw, min_prob_between
-from test_rejection import MIN_P_VALUE, chi_square_p_value
 from transformers import AutoModelForCausalLM
 
+from p_min import confident_length, keeps_an_unlikely_draw, min_prob_between
 from specedge.bench.edges import timed
 from specedge.bench.simulated import SimulatedDrafter
 from specedge.edge_client.client import EdgeClient, EdgeError
@@ -34,6 +33,7 @@ from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer, load_tokenizer
 from specedge.registry import ResolvedModel
 from specedge.server.rejection import verify_chain_by_rejection
+from test_rejection import MIN_P_VALUE, chi_square_p_value
 
 IM_START, IM_END = 1, 2  # tiny tokenizer: special tokens are trained first, in order
 TINY_MAX_POSITIONS = 1024  # tiny_models.save_tiny_model's max_position_embeddings

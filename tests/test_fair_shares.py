@@ -14,9 +14,9 @@ from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client import generation
 from specedge.edge_client.client import EdgeClient
-from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.drafting.base import TreeBudget
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.scheduler import BatcherConfig
 from specedge.server.app import ServerConfig

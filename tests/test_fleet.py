@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+
 from harness import ServerThread, free_port, start_server_process
 from mqtt_broker import Broker, make_certificate
 from reference import greedy_decode

@@ -10,10 +10,18 @@ import dataclasses
 import json
 
 import pytest
+
 from specedge.fleet import topics
 from specedge.fleet.broker import BrokerConfig, FleetError
 from specedge.fleet.messages import (
-    DRAINING, MAX_PAYLOAD_BYTES, SERVING, BadMessage, Command, EdgeStats, ServerLoad, ServerStatus,
+    DRAINING,
+    MAX_PAYLOAD_BYTES,
+    SERVING,
+    BadMessage,
+    Command,
+    EdgeStats,
+    ServerLoad,
+    ServerStatus,
 )  # fmt: skip
 from specedge.fleet.telemetry import EdgeTelemetry
 from specedge.fleet.view import FleetView

@@ -16,11 +16,10 @@ from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
-from specedge.server.engine import EngineConfig
 from specedge.server.draws import RowDraw, draw_rows
-from specedge.types import SamplingParams, SparseDist
+from specedge.server.engine import EngineConfig
 from specedge.server.isolation import NonFiniteLogits, run_isolated
-from specedge.v1 import specedge_pb2 as pb
+from specedge.types import SamplingParams, SparseDist
 
 MAX_NEW = 16
 

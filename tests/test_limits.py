@@ -183,7 +183,7 @@ def test_attach_streams_are_capped_per_identity(limited, fingerprint):
         streams = []
         for expected in range(1, MAX_ATTACH + 1):
             streams.append(edge.stub.Attach(pb.AttachRequest()))
-            await until(lambda: limiter.num_held == expected)
+            await until(lambda expected=expected: limiter.num_held == expected)
         refused = edge.stub.Attach(pb.AttachRequest())
         status = await refused.code(), await refused.details()
         streams.append(other.stub.Attach(pb.AttachRequest()))  # another identity still attaches

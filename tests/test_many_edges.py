@@ -103,7 +103,7 @@ def test_sixteen_edges_chains_and_trees_greedy_and_sampled(server, tokenizer, ti
         # Seeded sampled trees and chains (coupled) are verified by matching the target's
         # position-keyed samples: they must equal the seeded target-only run.
         references = {}
-        for i, (shape, sampling) in enumerate(kinds):
+        for i, (_shape, sampling) in enumerate(kinds):
             if sampling is not None:
                 references[i] = await server_only(i, sampling)
         return outputs, references

@@ -15,7 +15,7 @@ from specedge.edge_client.client import EdgeClient, EdgeError
 from specedge.edge_client.drafting.torch_drafter import TorchDrafter
 from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
-from specedge.registry import ResolvedModel, resolve
+from specedge.registry import resolve
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
 from specedge.server.loading import load_target

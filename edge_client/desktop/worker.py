@@ -39,7 +39,7 @@ from specedge.registry import RegistryError, resolve
 log = logging.getLogger(__name__)
 
 
-class State(str, enum.Enum):
+class State(enum.StrEnum):
     PREPARING = "preparing"  # assembling or loading the draft model
     CONNECTING = "connecting"
     CONNECTED = "connected"
@@ -224,7 +224,7 @@ class EdgeWorker:
         self._retry_now.clear()
         try:
             await asyncio.wait_for(self._retry_now.wait(), delay_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def _watch(self, runtime: EdgeRuntime) -> None:
@@ -235,7 +235,7 @@ class EdgeWorker:
             try:
                 await asyncio.wait_for(self._lost.wait(), self.config.watch_interval_s)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if runtime.client.address != shown:  # the fleet moved an answer to another server
                 shown = runtime.client.address
