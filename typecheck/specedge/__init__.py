@@ -1,0 +1,1 @@
+../../specedge/__init__.py

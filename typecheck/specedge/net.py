@@ -1,0 +1,1 @@
+../../specedge/net.py

@@ -1,0 +1,1 @@
+../../specedge/noise.py

@@ -1,0 +1,1 @@
+../../specedge/registry.py
