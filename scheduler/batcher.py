@@ -212,8 +212,8 @@ class Batcher:
         session_deficits: dict[Hashable, float] = {}
         shares: dict[Hashable, int] = {}
         for owner, demands in by_owner.items():
-            granted, deficits = max_min_shares(demands, owner_grants[owner], self._session_deficits)
-            grants.update(granted)
+            owner_session_grants, deficits = max_min_shares(demands, owner_grants[owner], self._session_deficits)
+            grants.update(owner_session_grants)
             session_deficits.update(deficits)
             owner_share = share_if_unbounded(owner_demands, owner, budget)
             shares.update({key: share_if_unbounded(demands, key, owner_share) for key in demands})

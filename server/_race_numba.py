@@ -28,7 +28,8 @@ _KEY_INF = np.int32(0x7F800000)  # the ordered key of +inf; -_KEY_INF is -inf's,
 
 
 def set_threads(num_threads: int) -> None:
-    numba.set_num_threads(max(1, min(num_threads, numba.config.NUMBA_NUM_THREADS)))
+    # numba.config sets its attributes at import, from the environment: mypy cannot see them.
+    numba.set_num_threads(max(1, min(num_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
 
 
 @njit(inline="always")

@@ -96,8 +96,8 @@ class Authenticator:
         self._stamp: tuple | None = None  # the file's (inode, size, mtime) when last read
         self._checked_at = clock()
         if token_file is not None:
-            self._stamp = self._file_stamp()
-            self._entries = self._read()
+            self._stamp = _file_stamp(token_file)
+            self._entries = _read(token_file)
             if os.stat(token_file).st_mode & 0o022:
                 log.warning("%s is writable by others: anyone who can write it can add an identity", token_file)
             if not self._entries:
@@ -114,7 +114,7 @@ class Authenticator:
     def caller(self, metadata: Iterable[tuple[str, str | bytes]], peer: str) -> Caller:
         if self.token_file is None:
             return Caller(identity=peer, connection=peer)
-        self._reload_if_changed()
+        self._reload_if_changed(self.token_file)
         token = _bearer_token(metadata)
         presented = hashlib.sha256(token.encode()).digest()
         identity = None
@@ -125,29 +125,31 @@ class Authenticator:
             raise errors.Unauthenticated("unknown or revoked token; ask the server's operator for a current one")
         return Caller(identity=identity, connection=peer)
 
-    def _file_stamp(self) -> tuple:
-        stat = os.stat(self.token_file)
-        return stat.st_ino, stat.st_size, stat.st_mtime_ns
-
-    def _read(self) -> list[tuple[str, bytes]]:
-        with open(self.token_file, encoding="utf-8") as lines:
-            return parse_token_file(lines, self.token_file)
-
-    def _reload_if_changed(self) -> None:
+    def _reload_if_changed(self, token_file: str) -> None:
         now = self._clock()
         if now - self._checked_at < RELOAD_CHECK_S:
             return
         self._checked_at = now
         try:
-            stamp = self._file_stamp()
+            stamp = _file_stamp(token_file)
             if stamp == self._stamp:
                 return
-            entries = self._read()
+            entries = _read(token_file)
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             log.error("could not re-read the token file; the last good one stays in force: %s", exc)
             return
         self._stamp, self._entries = stamp, entries
-        log.info("token file %s re-read: %d tokens, %d identities", self.token_file, len(entries), len(self.identities))
+        log.info("token file %s re-read: %d tokens, %d identities", token_file, len(entries), len(self.identities))
+
+
+def _file_stamp(token_file: str) -> tuple:
+    stat = os.stat(token_file)
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _read(token_file: str) -> list[tuple[str, bytes]]:
+    with open(token_file, encoding="utf-8") as lines:
+        return parse_token_file(lines, token_file)
 
 
 def _bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str:

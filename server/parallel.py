@@ -110,7 +110,7 @@ class GroupCollectives:
         logits = logits.contiguous()
         parts = [torch.empty_like(logits) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(logits, parts, dst=0, group=self.group)
-        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+        return torch.cat(parts, dim=-1) if parts is not None else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,7 @@ def after_prefill(
     session.num_cached = chunk.start + chunk.num_tokens
     if not chunk.is_last:
         return None
+    assert drawn is not None, "the prompt's last chunk draws its first token"
     [first] = drawn
     kept = session.commit([first], num_new_cached=0)
     stats.observe_prefill(num_prompt_tokens=session.prompt_len - prefill_start)

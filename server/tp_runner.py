@@ -54,7 +54,7 @@ def encode_requests(requests: Sequence[ForwardRequest]) -> list[int]:
     for r in requests:
         is_tree = r.tree_parents is not None
         values += [r.slot, r.num_cached, len(r.token_ids), int(r.all_logits), int(is_tree), *r.token_ids]
-        values += r.tree_parents if is_tree else ()
+        values += r.tree_parents or ()
     return values
 
 
@@ -114,16 +114,18 @@ def serve_steps(make_runner: Callable[[int, int], ModelRunner], group: dist.Proc
     `make_runner(num_slots, max_len)` builds this rank's runner once rank 0 has sized the KV.
     Returns the number of forwards run.
     """
-    runner = None
+    runner: ModelRunner | None = None
     num_forwards = 0
     for op, payload in _messages(group):
         if op is Op.ALLOCATE_KV:
             runner = make_runner(*payload)
             dist.barrier(group=group)  # tells rank 0 this rank is ready
         elif op is Op.FORWARD:
+            assert runner is not None, "rank 0 allocates the KV before the first step"
             runner.forward(decode_requests(payload))
             num_forwards += 1
         elif op is Op.MOVE_KV:
+            assert runner is not None, "rank 0 allocates the KV before the first step"
             runner.move_kv(decode_moves(payload))
     return num_forwards
 

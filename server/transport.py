@@ -67,7 +67,7 @@ class TransportConfig:
 
     def bind(self, server: grpc.aio.Server, address: str) -> int:
         """Add the listening port (TLS or plaintext); returns the port bound, 0 if it could not be."""
-        if not self.tls:
+        if self.tls_cert is None or self.tls_key is None:  # together, or neither (__post_init__)
             return server.add_insecure_port(address)
         client_ca = _read(self.tls_client_ca) if self.tls_client_ca is not None else None
         credentials = grpc.ssl_server_credentials(

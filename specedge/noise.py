@@ -24,7 +24,11 @@ tokens that cannot win (server/sampling.py).
 from __future__ import annotations
 
 import math
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 MASK32 = 0xFFFFFFFF
 # An odd multiplier below 2**31: (x < 2**32) * MIX_MULTIPLIER < 2**63, so int64 arithmetic never overflows.
@@ -42,7 +46,8 @@ UNIFORM_BITS = 23
 # The largest Gumbel value that u can give: u = 1 - 2**-24 -> -log(-log(u)) = 16.63.
 GUMBEL_MAX = 16.75
 
-Ints = TypeVar("Ints")  # a Python int, a numpy int64 array or a torch int64 tensor
+# A Python int, a numpy int64 array or a torch int64 tensor (named as strings: numpy and torch are not imported here).
+Ints = TypeVar("Ints", int, "np.ndarray", "torch.Tensor")
 
 
 def mix32(x: Ints) -> Ints:

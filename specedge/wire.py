@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 from specedge.edge_client.rounds import (
     DraftRound,
@@ -50,8 +51,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> tuple[SamplingParams, int | N
     return params, msg.seed if msg.HasField("seed") else None
 
 
-def finish_to_proto(reason: FinishReason) -> int:
-    return reason.value  # the enums are declared in the same order
+def finish_to_proto(reason: FinishReason) -> pb.FinishReason:
+    # The enums are declared in the same order; a wire enum's members are plain ints at runtime.
+    return cast(pb.FinishReason, reason.value)
 
 
 def finish_from_proto(value: int) -> FinishReason:
