@@ -21,6 +21,7 @@ from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
 
 if TYPE_CHECKING:
+    from specedge.edge_client.tokenizer import EdgeTokenizer
     from specedge.fleet.discovery import DiscoveryConfig, FleetRouter
 
 log = logging.getLogger(__name__)
@@ -49,44 +50,59 @@ class RuntimeConfig:
 class EdgeRuntime:
     def __init__(self, config: RuntimeConfig):
         self.config = config
-        self.tokenizer = None
-        self.client: EdgeClient | None = None
+        self._tokenizer: EdgeTokenizer | None = None  # load_tokenizer()
+        self._client: EdgeClient | None = None  # connect()
         self.router: FleetRouter | None = None  # with discovery
         self.draft_unavailable: str | None = None  # why answers run server-only, when the draft model failed
         self._drafters: asyncio.Queue = asyncio.Queue()
         self._all_drafters: list = []
         self.connected = asyncio.Event()
 
-    async def load_tokenizer(self):
+    @property
+    def tokenizer(self) -> EdgeTokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("EdgeRuntime.load_tokenizer() (or start()) comes first")
+        return self._tokenizer
+
+    @property
+    def client(self) -> EdgeClient:
+        if self._client is None:
+            raise RuntimeError("EdgeRuntime.connect() (or start()) comes first")
+        return self._client
+
+    @property
+    def has_client(self) -> bool:
+        """Whether connect() has made the client (connected or not since)."""
+        return self._client is not None
+
+    async def load_tokenizer(self) -> EdgeTokenizer:
         from specedge.edge_client.tokenizer import load_tokenizer
         from specedge.registry import resolve
 
         self._resolved = await asyncio.to_thread(resolve, self.config.draft)
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self._resolved)
-        return self.tokenizer
+        self._tokenizer = await asyncio.to_thread(load_tokenizer, self._resolved)
+        return self._tokenizer
 
     async def connect(self, retry_for_s: float | None = 0.0) -> None:
         """Handshake with the server; keep retrying with backoff for `retry_for_s` (None: forever)."""
-        if self.tokenizer is None:
-            await self.load_tokenizer()
-        if self.client is not None:  # a failed earlier attempt: close its channel before opening another
-            await self.client.__aexit__(None, None, None)
+        tokenizer = self._tokenizer or await self.load_tokenizer()
+        if self._client is not None:  # a failed earlier attempt: close its channel before opening another
+            await self._client.__aexit__(None, None, None)
         choose = None
         if self.config.discovery is not None:
             from specedge.fleet.discovery import FleetRouter
 
             if self.router is None:
-                self.router = FleetRouter(self.config.discovery, self.tokenizer.fingerprint, fallback=self.config.server)
+                self.router = FleetRouter(self.config.discovery, tokenizer.fingerprint, fallback=self.config.server)
                 await self.router.start()
             choose = self.router.choose_address
-        fingerprint = self.tokenizer.fingerprint
         address, connection = self.config.server or "", self.config.connection
-        self.client = EdgeClient(address, fingerprint, config=connection, choose_address=choose)
+        client = self._client = EdgeClient(address, tokenizer.fingerprint, config=connection, choose_address=choose)
         if self.router is not None:
-            self.router.follow(self.client)
+            self.router.follow(client)
         while True:
             try:
-                await self.client.reconnect(timeout_s=retry_for_s if retry_for_s is not None else 60.0)
+                await client.reconnect(timeout_s=retry_for_s if retry_for_s is not None else 60.0)
                 break
             except ConnectionLost as exc:
                 if retry_for_s is not None:
@@ -116,8 +132,8 @@ class EdgeRuntime:
         return self
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.__aexit__(None, None, None)
+        if self._client is not None:
+            await self._client.__aexit__(None, None, None)
         if self.router is not None:
             await self.router.close()
         for drafter in self._all_drafters:
@@ -126,7 +142,7 @@ class EdgeRuntime:
 
     @property
     def model_name(self) -> str:
-        return self.client.server_info.model_name if self.client and self.client.server_info else ""
+        return self._client.server_info.model_name if self._client and self._client.server_info else ""
 
     def chat_prompt(self, messages: list[dict[str, str]], conversation: Conversation | None = None) -> list[int]:
         """Prompt ids for `messages`, ending with the assistant's turn opener.
@@ -161,16 +177,18 @@ class EdgeRuntime:
     ) -> GenerationResult:
         """One answer, by `policy` (default: the runtime's); `stats`, when given, is filled in as it goes
         (live figures for a UI)."""
-        options = dict(policy=policy or self.config.policy, conversation=conversation, stats=stats)
+        policy = policy or self.config.policy
         await self.client.ensure_connected()  # the server was left (draining, offline): start elsewhere
         if not self._all_drafters:
-            result = await generate(self.client, prompt, None, on_tokens, **options)
+            result = await generate(self.client, prompt, None, on_tokens, policy=policy, conversation=conversation,
+                                    stats=stats)  # fmt: skip
             if self.draft_unavailable and not self.config.server_only:
                 result.stats.fallback = self.draft_unavailable
         else:
             drafter = await self._drafters.get()
             try:
-                result = await generate(self.client, prompt, drafter, on_tokens, **options)
+                result = await generate(self.client, prompt, drafter, on_tokens, policy=policy,
+                                        conversation=conversation, stats=stats)  # fmt: skip
             finally:
                 self._drafters.put_nowait(drafter)
         if self.router is not None:

@@ -193,7 +193,7 @@ class EdgeWorker:
         while True:
             self._emit_state(State.CONNECTING, words.connecting(settings))
             try:
-                if runtime.client is None:
+                if not runtime.has_client:
                     await runtime.connect(retry_for_s=0.0)  # one attempt; the backoff is ours
                 else:
                     await runtime.client.connect()
@@ -259,7 +259,7 @@ class EdgeWorker:
         self, answer_id: int, conversation_id: int, messages: list[dict], policy: SpeculationPolicy
     ) -> None:
         runtime = self._runtime
-        if runtime is None or runtime.client is None or runtime.client.server_info is None:
+        if runtime is None or not runtime.has_client or runtime.client.server_info is None:
             self.signals.finished.emit(answer_id, FAILED, None, "not connected to a server yet", "")
             return
         conversation = await self._conversation_for(runtime, conversation_id)
