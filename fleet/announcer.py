@@ -18,12 +18,15 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from specedge.fleet import topics
 from specedge.fleet.broker import BrokerConfig, run_together, stay_connected
 from specedge.fleet.messages import OFFLINE, BadMessage, Command, EdgeStats, ServerLoad, ServerStatus, is_address
 from specedge.tokens import TokenizerFingerprint
+
+if TYPE_CHECKING:
+    import aiomqtt  # an optional dependency (the mqtt extra): imported where a broker is used
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,7 @@ class Announcer:
         self.published = 0  # statuses sent
         self.ignored = 0  # malformed or hostile messages dropped
         self._nudge = asyncio.Event()
-        self._client = None
+        self._client: aiomqtt.Client | None = None  # while connected
         self._task: asyncio.Task | None = None
         self._acceptance: dict[str, tuple[float, float]] = {}  # edge id -> (acceptance, heard at)
 
@@ -106,7 +109,7 @@ class Announcer:
         """Say goodbye (retained offline status), then leave the broker."""
         if self._client is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._publish(self.offline_status()), timeout=2.0)
+                await asyncio.wait_for(self._publish(self._client, self.offline_status()), timeout=2.0)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -117,15 +120,15 @@ class Announcer:
             await client.subscribe(topics.EDGE_STATS, qos=0)
         self._client = client
         try:
-            await run_together(self._listen(client), self._announce())
+            await run_together(self._listen(client), self._announce(client))
         finally:
             self._client = None
 
-    async def _publish(self, status: ServerStatus) -> None:
-        await self._client.publish(self.topic, status.to_json(), qos=1, retain=True)
+    async def _publish(self, client: aiomqtt.Client, status: ServerStatus) -> None:
+        await client.publish(self.topic, status.to_json(), qos=1, retain=True)
         self.published += 1
 
-    async def _announce(self) -> None:
+    async def _announce(self, client: aiomqtt.Client) -> None:
         last_key, last_sent = None, float("-inf")
         while True:
             self._nudge.clear()
@@ -134,7 +137,7 @@ class Announcer:
             load = status.load
             key = (health, load.active_sessions, load.free_kv_slots, load.advised_draft_tokens)
             if key != last_key or time.monotonic() - last_sent >= self.config.period_s:
-                await self._publish(status)
+                await self._publish(client, status)
                 last_key, last_sent = key, time.monotonic()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._nudge.wait(), self.config.check_s)

@@ -133,8 +133,8 @@ def render(view: FleetView, title: str = ""):
     edge_numbers = ("answers", "tokens", "acceptance", "draft tok/s", "RTT ms", "proactive hits", "fallbacks", "resumes")
     for column in ("edge", "server", *edge_numbers):
         edges.add_column(column, justify="right" if column in edge_numbers else "left")
-    for edge_id, seen in sorted(view.edges.items()):
-        stats = seen.message
+    for edge_id, telemetry in sorted(view.edges.items()):
+        stats = telemetry.message
         edges.add_row(
             edge_id, stats.server_id or "(fallback)", str(stats.answers), str(stats.tokens),
             f"{stats.acceptance_rate:.0%}", f"{stats.draft_tokens_per_s:.1f}", f"{stats.rtt_ms:.1f}",

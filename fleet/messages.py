@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import re
+from typing import TypeGuard
 
 from specedge.fleet.topics import is_id
 from specedge.tokens import TokenizerFingerprint
@@ -166,7 +167,10 @@ def _int(data: dict, key: str, high: int = MAX_COUNT, *, low: int = 0) -> int:
 
 def _float(data: dict, key: str, high: float) -> float:
     value = data.get(key)
-    if type(value) not in (int, float) or not math.isfinite(value) or not 0.0 <= value <= high:
+    if (
+        not isinstance(value, int | float) or isinstance(value, bool)  # bool is an int subclass: refused too
+        or not math.isfinite(value) or not 0.0 <= value <= high
+    ):  # fmt: skip
         raise BadMessage(f"{key} must be a number in [0, {high:g}], got {_show(value)}")
     return float(value)
 
@@ -187,12 +191,12 @@ def _id(data: dict, key: str) -> str:
 
 def _choice(data: dict, key: str, choices: tuple[str, ...]) -> str:
     value = data.get(key)
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise BadMessage(f"{key} must be one of {', '.join(choices)}, got {_show(value)}")
     return value
 
 
-def is_address(value: object) -> bool:
+def is_address(value: object) -> TypeGuard[str]:
     """HOST:PORT with a plausible host name, IPv4 or [IPv6] address, and a port in 1..65535."""
     match = _ADDRESS.fullmatch(value) if isinstance(value, str) else None
     return match is not None and 1 <= int(match.group(2)) <= 65535

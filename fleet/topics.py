@@ -12,6 +12,7 @@ another server's topics.
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 PREFIX = "specedge/v1"
 SERVERS = f"{PREFIX}/servers/+"  # every server's status (one level: commands do not match)
@@ -28,7 +29,7 @@ def check_id(value: str, what: str = "id") -> str:
     return value
 
 
-def is_id(value: object) -> bool:
+def is_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _ID.fullmatch(value) is not None
 
 

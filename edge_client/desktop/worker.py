@@ -91,8 +91,9 @@ class EdgeWorker:
         self._connection: asyncio.Task | None = None
         self._settings: ChatSettings | None = None
         self._answer: asyncio.Task | None = None
-        self._retry_now: asyncio.Event | None = None
-        self._lost: asyncio.Event | None = None  # an answer found the server gone
+        # Made anew for each connection (_start_connection), so that none wakes a later one's waiters.
+        self._retry_now = asyncio.Event()
+        self._lost = asyncio.Event()  # an answer found the server gone
         self._conversation: tuple[int, Conversation] | None = None  # the chat whose server session is kept
 
     # -- called from the UI thread -----------------------------------------
@@ -136,7 +137,7 @@ class EdgeWorker:
         if self._connection is None or self._connection.done():
             if self._settings is not None:
                 self._start_connection(self._settings)
-        elif self._retry_now is not None:
+        else:
             self._retry_now.set()
 
     async def _close(self) -> None:
@@ -258,8 +259,8 @@ class EdgeWorker:
     async def _generate(
         self, answer_id: int, conversation_id: int, messages: list[dict], policy: SpeculationPolicy
     ) -> None:
-        runtime = self._runtime
-        if runtime is None or not runtime.has_client or runtime.client.server_info is None:
+        runtime, settings = self._runtime, self._settings
+        if runtime is None or settings is None or not runtime.has_client or runtime.client.server_info is None:
             self.signals.finished.emit(answer_id, FAILED, None, "not connected to a server yet", "")
             return
         conversation = await self._conversation_for(runtime, conversation_id)
@@ -290,7 +291,7 @@ class EdgeWorker:
             end(INTERRUPTED, f"The server went away mid-answer: {exc}")
             self._lost.set()
         except EdgeError as exc:
-            end(INTERRUPTED if tokens else FAILED, words.refusal(exc, self._settings) or str(exc))
+            end(INTERRUPTED if tokens else FAILED, words.refusal(exc, settings) or str(exc))
         except Exception as exc:  # one line in the window; the traceback goes to the log only
             log.exception("answer %d failed", answer_id)
             end(INTERRUPTED if tokens else FAILED, f"The answer failed ({type(exc).__name__}: {exc})")
