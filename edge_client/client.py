@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -269,7 +269,7 @@ class EdgeClient:
 
     def _current(self) -> tuple[specedge_pb2_grpc.SpecEdgeStub, int]:
         """The stub to issue a call on, with its epoch; both read at once, so a call is blamed on its own connection."""
-        if self.must_leave:
+        if self._left is not None and self._left.done():  # must_leave
             raise self._leaving(self._left, self._epoch)
         if self._stub is None:
             raise self._lost_channel(self._epoch)  # between connections: reconnect() is under way
@@ -373,7 +373,7 @@ class EdgeClient:
         sampling: SamplingParams,
         seed: int | None,
         server_draft_tokens: int = 0,
-    ) -> AsyncIterator[StreamedTokens]:
+    ) -> AsyncGenerator[StreamedTokens, None]:
         """Server-driven generation, one message per step, each delivered half a round trip after it left."""
         request = pb.GenerateRequest(
             tokenizer=wire.fingerprint_to_proto(self.fingerprint),

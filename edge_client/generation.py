@@ -45,7 +45,7 @@ from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.proactive import DepthEstimator, DraftWorker, ProactiveRound, concat, guess_outcomes
 from specedge.edge_client.results import Conversation, GenerationResult, GenerationStats
 from specedge.edge_client.rounds import DraftRound, RoundReply
-from specedge.types import FinishReason, SamplingParams
+from specedge.types import FinishReason, SamplingParams, SparseDist
 
 log = logging.getLogger(__name__)
 
@@ -111,25 +111,25 @@ class Generation:
 
     async def run(self) -> GenerationResult:
         started = time.perf_counter()
-        wants_drafts = self.drafter is not None and (self.policy.num_draft > 0 or self.policy.tree is not None)
+        drafter = self.drafter if self.policy.num_draft > 0 or self.policy.tree is not None else None
         if self.policy.tree is not None and self.drafter is not None and not isinstance(self.drafter, TreeDrafter):
             raise EdgeError("tree drafting needs a drafter that drafts trees (the torch drafter); use chains")
-        keep_session = False
+        kept_by: Conversation | None = None  # the conversation that keeps the session for its next turn
         try:
-            if wants_drafts:
+            if drafter is not None:
                 try:
-                    await self._speculative(started)
+                    await self._speculative(started, drafter)
                 except _FallBack as exc:
                     self.stats.fallback = str(exc)
                     log.warning("falling back to server-only generation: %s", exc)
                     await self._close_session()
             if self.finish is FinishReason.NONE:
                 await self._server_only(started)
-            keep_session = self.conversation is not None and self.session_id is not None
+            kept_by = self.conversation if self.session_id is not None else None
         finally:
-            if keep_session:
-                self.conversation.session_id = self.session_id
-                self.conversation.tokens = [*self.prompt, *self.tokens]
+            if kept_by is not None:
+                kept_by.session_id = self.session_id
+                kept_by.tokens = [*self.prompt, *self.tokens]
             else:
                 await self._close_session()
                 if self.conversation is not None:
@@ -139,8 +139,8 @@ class Generation:
 
     # -- speculative -------------------------------------------------------
 
-    async def _speculative(self, started: float) -> None:
-        worker = DraftWorker(self.drafter)
+    async def _speculative(self, started: float, drafter: Drafter) -> None:
+        worker = DraftWorker(drafter)
         ready: DraftChain | None = None  # drafted ahead for the outcome that came true
         try:
             while self.finish is FinishReason.NONE:
@@ -148,14 +148,14 @@ class Generation:
                     if self.session_id is None:  # the first, or a lost one again with every committed token
                         await self._open(started)
                     else:
-                        ready = await self._round(worker, ready)
+                        ready = await self._round(self.session_id, worker, ready)
                 except Lost as exc:
                     ready = None
                     await self._recover(exc)
         finally:
             await worker.close()
 
-    async def _round(self, worker: DraftWorker, ready: DraftChain | None) -> DraftChain | None:
+    async def _round(self, session_id: str, worker: DraftWorker, ready: DraftChain | None) -> DraftChain | None:
         """One verify round; returns the next round's chain if it was drafted ahead and came true."""
         context = [*self.prompt, *self.tokens]
         draft, chain = await self._draft(worker, context, ready)
@@ -166,7 +166,7 @@ class Generation:
             proactive.start(context, chain, guess_outcomes(chain, self.policy.max_guesses), depth)
         sent = time.perf_counter()
         try:
-            reply = await self.client.verify(self.session_id, draft)
+            reply = await self.client.verify(session_id, draft)
         except BaseException:
             if proactive is not None:
                 await proactive.finish(())  # the drafter must be idle before anything else uses it
@@ -201,7 +201,8 @@ class Generation:
         try:
             if self.policy.tree is not None:
                 tree = await self._draft_tree(worker, context)
-                chain, token_ids, parents, dists = None, tree.token_ids, tree.parents, ()
+                dists: tuple[SparseDist, ...] = ()
+                chain, token_ids, parents = None, tree.token_ids, tree.parents
             else:
                 chain = await self._draft_chain(worker, context, ready)
                 token_ids, parents, dists = chain.token_ids, (), chain.dists or ()
@@ -222,7 +223,7 @@ class Generation:
         chain = _truncate(chain, wanted)
         if len(chain.token_ids) < wanted:
             more = await worker.run(
-                self.drafter.propose,
+                worker.drafter.propose,
                 [*context, *chain.token_ids],
                 wanted - len(chain.token_ids),
                 self._draft_sampling,
@@ -275,7 +276,7 @@ class Generation:
         prompt = [*self.prompt, *self.tokens]
         opened = None
         if self.conversation is not None and self.conversation.session_id is not None:
-            opened = await self._continue(self.conversation, prompt, remaining)
+            opened = await self._continue(self.conversation, self.conversation.session_id, prompt, remaining)
         if opened is None:
             opened = await self.client.open_session(prompt, remaining, *self._sampling())
         self.session_id = opened.session_id
@@ -291,7 +292,7 @@ class Generation:
             self.stats.ttft_ms = (time.perf_counter() - started) * 1e3
         self._commit([opened.first_token_id], opened.finish)
 
-    async def _continue(self, conversation: Conversation, prompt: list[int], remaining: int):
+    async def _continue(self, conversation: Conversation, session_id: str, prompt: list[int], remaining: int):
         """The conversation's session continued with only the new tokens; None when it cannot be, its slot freed.
 
         Every way out that leaves the session behind closes it: otherwise it holds its KV slot until the
@@ -301,7 +302,7 @@ class Generation:
         if keep > 0:
             try:
                 return await self.client.continue_session(
-                    conversation.session_id, keep, prompt[keep:], remaining, *self._sampling()
+                    session_id, keep, prompt[keep:], remaining, *self._sampling()
                 )
             except SessionGone:  # expired while the user was typing: start over with the whole history
                 conversation.reset()
@@ -309,14 +310,14 @@ class Generation:
             except ConnectionLost:
                 raise  # the session went with the connection's lease
             except EdgeError:  # refused (e.g. the conversation outgrew the context): the answer fails
-                await self._drop_conversation_session()
+                await self._drop_conversation_session(conversation, session_id)
                 raise
-        await self._drop_conversation_session()  # nothing in common to reuse: a fresh session replaces it
+        await self._drop_conversation_session(conversation, session_id)  # nothing to reuse: a fresh one replaces it
         return None
 
-    async def _drop_conversation_session(self) -> None:
-        await self.client.close_session(self.conversation.session_id)
-        self.conversation.reset()
+    async def _drop_conversation_session(self, conversation: Conversation, session_id: str) -> None:
+        await self.client.close_session(session_id)
+        conversation.reset()
 
     async def _recover(self, lost: Lost) -> None:
         """After a lost session or connection: ready the client (it decides whether to reconnect) to re-open."""
