@@ -18,12 +18,13 @@ import json
 import pathlib
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from specedge.tokens import TokenizerFingerprint, fingerprint_from_gguf, fingerprint_from_hf
 
 if TYPE_CHECKING:
     import jinja2
+    from transformers import BatchEncoding
 
     from specedge.registry import ResolvedModel
 
@@ -121,17 +122,17 @@ class HFTokenizer:
         self.eos_token_ids = frozenset(self.fingerprint.eos_token_ids)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        # transformers 5 returns a BatchEncoding when tokenize=True.
-        encoding = self._tokenizer.apply_chat_template(
+        # transformers 5 returns a BatchEncoding when tokenize=True (its hint lists every call's return type).
+        encoding = cast("BatchEncoding", self._tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
+        ))  # fmt: skip
         return list(encoding["input_ids"])
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=True)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=False)  # type: ignore[return-value]  # a str for one sequence; the hint includes a batch's list
 
 
 def config_vocab_size(model_dir: str | pathlib.Path) -> int:
@@ -155,7 +156,8 @@ def compile_chat_template(template: str) -> jinja2.Template:
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    if tuple(int(re.match(r"\d*", part).group() or 0) for part in jinja2.__version__.split(".")[:3]) < (3, 1, 6):
+    leading_numbers = (re.match(r"\d*", part) for part in jinja2.__version__.split(".")[:3])  # "3", "1", "6rc1"
+    if tuple(int(number.group() or 0) if number else 0 for number in leading_numbers) < (3, 1, 6):
         raise ImportError(f"chat templates need jinja2>=3.1.6 (sandbox fixes); found {jinja2.__version__}")
 
     def raise_exception(message: str) -> None:

@@ -66,7 +66,7 @@ def row_key(seed: int, position: int, stream: int) -> int:
     return mix32(key ^ stream)
 
 
-def token_bits(key: Ints, token_ids: Ints) -> Ints:
+def token_bits(key: Ints | int, token_ids: Ints) -> Ints:
     """Uniform 32-bit integers, one per token id (both may be arrays of the same shape, or broadcast)."""
     return mix32(key ^ token_hash(token_ids))
 

@@ -102,7 +102,7 @@ class ChatStore:
         cursor = self._db.execute(
             "INSERT INTO conversations (title, created, updated) VALUES (?, ?, ?)", (title, now, now)
         )
-        return cursor.lastrowid
+        return _new_row_id(cursor)
 
     def title(self, conversation_id: int) -> str:
         row = self._db.execute("SELECT title FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
@@ -135,7 +135,7 @@ class ChatStore:
             (conversation_id, role, content, status, time.time()),
         )
         self._touch(conversation_id)
-        return cursor.lastrowid
+        return _new_row_id(cursor)
 
     def write_answer(self, message_id: int, content: str, status: str = STREAMING, stats: dict | None = None) -> None:
         """The answer so far (while streaming), or as it ended with its figures."""
@@ -178,3 +178,10 @@ def _owner_only(path: pathlib.Path) -> None:
     for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         if name.exists():
             os.chmod(name, 0o600)
+
+
+def _new_row_id(cursor: sqlite3.Cursor) -> int:
+    """The id of the row an INSERT on `cursor` made (sqlite3's lastrowid is None only before any INSERT)."""
+    if cursor.lastrowid is None:
+        raise sqlite3.DatabaseError("the INSERT made no row")
+    return cursor.lastrowid

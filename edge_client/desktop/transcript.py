@@ -23,7 +23,7 @@ class Transcript(QTextBrowser):
         super().__init__(parent)
         self.setOpenExternalLinks(True)
         self.document().setDocumentMargin(12)
-        self._tail = None  # document position where the last answer's body starts
+        self._tail: int | None = None  # document position where the last answer's body starts
         self.assistant_name = "Assistant"
 
     def show_messages(self, messages: list[Message]) -> None:
