@@ -107,6 +107,8 @@ class EdgeAPIServer:
     @property
     def port(self) -> int:
         """The bound port (a free one for port 0), once run() has started."""
+        if self._socket is None:
+            raise RuntimeError("run() has not bound the port yet")
         return self._socket.getsockname()[1]
 
     async def run(self) -> None:
@@ -121,7 +123,7 @@ class EdgeAPIServer:
             interrupted.append(sig)
             uvicorn_handler(sig, frame)
 
-        self.http.handle_exit = handle_exit
+        self.http.handle_exit = handle_exit  # type: ignore[method-assign]  # uvicorn has no other hook for it
         try:
             await self.http.serve(sockets=[self._socket])
         finally:

@@ -120,7 +120,10 @@ class EdgeAPI:
 
     def policy(self, request: GenerationRequest, num_prompt_tokens: int, param: str) -> SpeculationPolicy:
         """The runtime's policy with this request's sampling and length."""
-        max_context = self.runtime.client.server_info.limits.max_context_tokens
+        info = self.runtime.client.server_info
+        if info is None:  # between servers (a reconnect under way)
+            raise APIError(503, "not connected to a server right now", code="server_unreachable", retry_after_s=1)
+        max_context = info.limits.max_context_tokens
         if not num_prompt_tokens:
             raise APIError(400, f"{param}: the prompt is empty", param=param)
         if num_prompt_tokens >= max_context:
@@ -152,7 +155,7 @@ class EdgeAPI:
         prompt = request.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return list(prompt)
-        text = prompt if isinstance(prompt, str) else "".join(prompt)
+        text = prompt if isinstance(prompt, str) else "".join(str(part) for part in prompt)  # parts are str here
         return self.runtime.tokenizer.encode(text) if text else []
 
     async def respond(self, http: Request, request: GenerationRequest, prompt: list[int], shape: Shape) -> Response:
@@ -194,7 +197,8 @@ async def _chunks(head: dict, shape: Shape, include_usage: bool, first_piece, pi
     except Exception as exc:  # noqa: BLE001 (the stream has begun: the error travels as an event, as OpenAI's do)
         yield {"data": json.dumps(as_api_error(exc).body())}
     except asyncio.CancelledError:
-        if asyncio.current_task().cancelling():
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
             raise  # the client went away
         # The answer's task was cancelled under it, not this stream: a stream must end with an error or [DONE].
         yield {"data": json.dumps(APIError(502, "the answer was cancelled before it finished").body())}
@@ -241,7 +245,7 @@ def as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, ConnectionLost):
         return APIError(503, str(exc), code="server_unreachable", retry_after_s=1)
     if isinstance(exc, EdgeError):
-        status = _HTTP_STATUS.get(exc.status, 502)
+        status = _HTTP_STATUS.get(exc.status or "", 502)
         return APIError(status, str(exc), retry_after_s=1 if status == 503 else None)
     log.error("answering failed", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")

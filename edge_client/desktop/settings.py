@@ -61,8 +61,12 @@ class ChatSettings:
 
     def security(self) -> ChannelSecurity:
         """How the edge's channel is secured (edge_client/channel.py), exactly as `specedge-edge --tls...` would."""
-        tls = dict(tls=True, tls_ca=self.tls_ca or None, tls_cert=self.tls_cert or None, tls_key=self.tls_key or None)
-        return ChannelSecurity(token=self.token or None, **(tls if self.use_tls else {}))
+        if not self.use_tls:
+            return ChannelSecurity(token=self.token or None)
+        return ChannelSecurity(
+            token=self.token or None, tls=True,
+            tls_ca=self.tls_ca or None, tls_cert=self.tls_cert or None, tls_key=self.tls_key or None,
+        )  # fmt: skip
 
     def broker(self):
         """The fleet broker (specedge.fleet.broker.BrokerConfig), or None without one."""

@@ -56,6 +56,7 @@ class MainWindow(QMainWindow):
         super().__init__()
         self.config = config
         self.store = ChatStore(pathlib.Path(config.data_dir) / "chat.sqlite3")
+        self._closed = False  # the window has gone: late signals from the worker are dropped
         self.store.recover()
         self.settings = config.settings or load_settings(self.store)
         save_settings(self.store, self.settings)
@@ -120,7 +121,7 @@ class MainWindow(QMainWindow):
         self.conversations.renamed.connect(self.rename_conversation)
         self.conversations.deleted.connect(self.delete_conversation)
         self.conversations.list.currentItemChanged.connect(
-            lambda item, _: item is not None and self.select(item.data(Qt.ItemDataRole.UserRole)))  # fmt: skip
+            lambda item, _: self.select(item.data(Qt.ItemDataRole.UserRole)) if item is not None else None)  # fmt: skip
 
     # -- conversations -----------------------------------------------------
 
@@ -161,27 +162,30 @@ class MainWindow(QMainWindow):
 
     def send(self) -> None:
         text = self.input.toPlainText().strip()
-        if not text or not self._can_ask():
+        current = self._conversation_to_ask()
+        if not text or current is None:
             return
-        if self.store.title(self.current) == DEFAULT_TITLE:
-            self.store.rename(self.current, text.splitlines()[0][:40])
-        self.store.add_message(self.current, "user", text)
+        if self.store.title(current) == DEFAULT_TITLE:
+            self.store.rename(current, text.splitlines()[0][:40])
+        self.store.add_message(current, "user", text)
         self.input.clear()
-        self._ask(self.current)
+        self._ask(current)
 
     def regenerate(self) -> None:
         """Answer the last user turn again (the previous answer to it is replaced)."""
-        if not self._can_ask():
+        current = self._conversation_to_ask()
+        if current is None:
             return
-        messages = self.store.messages(self.current)
+        messages = self.store.messages(current)
         if messages and messages[-1].role == "assistant":
             self.store.delete_message(messages[-1].id)
             messages = messages[:-1]
         if messages and messages[-1].role == "user":
-            self._ask(self.current)
+            self._ask(current)
 
-    def _can_ask(self) -> bool:
-        return self.current is not None and self.answer is None and self.state is State.CONNECTED
+    def _conversation_to_ask(self) -> int | None:
+        """The open conversation, if a question can be put to it now (connected, no answer being written)."""
+        return self.current if self.answer is None and self.state is State.CONNECTED else None
 
     def _ask(self, conversation_id: int) -> None:
         self.error.hide()
@@ -210,7 +214,7 @@ class MainWindow(QMainWindow):
     # -- from the worker ---------------------------------------------------
 
     def _on_state(self, state: str, detail: str) -> None:
-        if self.store is None:
+        if self._closed:
             return  # queued before the window closed
         self.state = State(state)
         self.connection.show_state(self.state, detail)
@@ -219,14 +223,14 @@ class MainWindow(QMainWindow):
         self._update_buttons()
 
     def _on_progress(self, what: str, done: int, total: int) -> None:
-        if self.store is None:
+        if self._closed:
             return  # queued before the window closed
         self.progress.setFormat(f"Assembling the draft model {what}: %p%")
         self.progress.setValue(int(1000 * done / total) if total else 1000)
         self.progress.setVisible(done < total)
 
     def _on_delta(self, answer_id: int, text: str, live: dict) -> None:
-        if self.store is None:
+        if self._closed:
             return  # queued before the window closed
         if self.answer is None or self.answer.id != answer_id:
             return
@@ -238,7 +242,7 @@ class MainWindow(QMainWindow):
 
     def _flush(self) -> None:
         answer = self.answer
-        if answer is None or self.store is None:
+        if answer is None or self._closed:
             return
         self.store.write_answer(answer.id, answer.text, STREAMING)
         if answer.conversation_id == self.current:
@@ -250,7 +254,7 @@ class MainWindow(QMainWindow):
         self.stats.chart.set_values(figures.rate_series(samples, live.get("elapsed_s", 0.0)))
 
     def _on_finished(self, answer_id: int, outcome: str, data: dict | None, message: str, text: str) -> None:
-        if self.store is None:
+        if self._closed:
             return  # queued before the window closed
         answer = self.answer
         if message:
@@ -277,7 +281,7 @@ class MainWindow(QMainWindow):
         self.regenerate_button.setEnabled(idle and connected and any(m.role == "user" for m in messages))
 
     def closeEvent(self, event: QCloseEvent) -> None:
-        if self.store is None:  # closed before
+        if self._closed:  # closed before
             return super().closeEvent(event)
         if self.answer is not None:  # closed mid-answer: keep what was written, marked
             self.store.write_answer(self.answer.id, self.answer.text, INTERRUPTED)
@@ -286,5 +290,5 @@ class MainWindow(QMainWindow):
         self._flush_timer.stop()
         self.worker.shutdown()
         self.store.close()
-        self.store = None
+        self._closed = True
         super().closeEvent(event)

@@ -53,7 +53,7 @@ class LlamaCppDrafter:
         n_batch: int = 512,
     ):
         route_llama_logs_to_logging()
-        self._llm = llama_cpp.Llama(
+        self._llm: llama_cpp.Llama | None = llama_cpp.Llama(
             model_path=str(model_path),
             n_ctx=n_ctx,
             n_threads=n_threads or os.cpu_count() or 1,
@@ -131,14 +131,15 @@ class LlamaCppDrafter:
         token is always evaluated again. E.g. cache [5 8 9 4], context
         [5 8 9 4] -> keep 3; context [5 8 7] -> keep 2.
         """
-        cached = self._llm.input_ids[: self._llm.n_tokens]  # [num_cached]
+        llm = self._require_open()
+        cached = llm.input_ids[: llm.n_tokens]  # [num_cached]
         limit = min(len(cached), len(context_ids) - 1)
         mismatches = np.flatnonzero(cached[:limit] != context_ids[:limit])
         return int(mismatches[0]) if mismatches.size else limit
 
     def _last_logits(self) -> np.ndarray:
         """[vocab] logits after the last evaluated token: a view, valid until the next eval."""
-        row = llama_cpp.llama_get_logits_ith(self._llm.ctx, -1)
+        row = llama_cpp.llama_get_logits_ith(self._require_open().ctx, -1)
         return np.ctypeslib.as_array(row, shape=(self._num_vocab,))
 
     def _sample_next(self, logits: np.ndarray, sampling: DraftSampling, position: int) -> tuple[int, SparseDist]:

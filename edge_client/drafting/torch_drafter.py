@@ -41,7 +41,9 @@ class TorchDrafter:
         dtype: torch.dtype = torch.float32,
     ):
         self._device = torch.device(device)
-        self._model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self._device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        # transformers wraps to() in a decorator whose hint takes the model where the device goes.
+        self._model = model.to(self._device).eval()  # type: ignore[arg-type]
         text_config = self._model.config.get_text_config()
         self._num_vocab = text_config.vocab_size
         self._max_tokens = getattr(text_config, "max_position_embeddings", None) or sys.maxsize
