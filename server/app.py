@@ -25,7 +25,7 @@ from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import MATMUL_KINDS, resolve_matmul
 from specedge.server.metrics import start_metrics_server, stop_metrics_server
 from specedge.server.parallel import check_splittable
-from specedge.server.runner import KVCache, ModelRunner
+from specedge.server.runner import KVCache, ModelRunner, Runner
 from specedge.server.server_draft import ServerDrafter
 from specedge.server.service import SpecEdgeService
 from specedge.server.stats import ServerStats
@@ -35,6 +35,8 @@ from specedge.tokens import IncompatibleTokenizer, check_compatible
 from specedge.v1 import specedge_pb2, specedge_pb2_grpc
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from specedge.fleet.announcer import Announcer, AnnouncerConfig
 
 log = logging.getLogger(__name__)
@@ -147,7 +149,7 @@ class SpecEdgeServer:
             raise
         self._grpc: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
-        self._metrics = None  # the metrics HTTP server, when metrics_port is set
+        self._metrics: WSGIServer | None = None  # the metrics HTTP server, when metrics_port is set
         self.announcer: Announcer | None = None  # the fleet control plane, when config.fleet is set
         self.service: SpecEdgeService | None = None  # the gRPC handlers and their limiters, once started
         self.port: int | None = None
@@ -178,7 +180,7 @@ class SpecEdgeServer:
         num_slots = slots_within_budget(
             requested=config.engine.max_sessions, bytes_per_slot=bytes_per_slot, budget_bytes=budget
         )
-        if num_slots < config.engine.max_sessions:
+        if budget is not None and num_slots < config.engine.max_sessions:  # no budget: every slot asked for
             log.warning(
                 "KV budget of %.2f GiB holds %d of the %d sessions asked for; the rest are refused with "
                 "RESOURCE_EXHAUSTED", budget / 2**30, num_slots, config.engine.max_sessions,
@@ -203,10 +205,11 @@ class SpecEdgeServer:
         if draft is not None:
             draft_kv = KVCache(draft.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
             server_drafter = ServerDrafter(ModelRunner(draft.model, draft_kv))
-        runner = ModelRunner(target.model, kv)
+        local = ModelRunner(target.model, kv)
+        runner: Runner = local
         if self.ranks is not None:
             self.ranks.start_serving(num_slots, max_context)
-            runner = TensorParallelRunner(runner, self.ranks)
+            runner = TensorParallelRunner(local, self.ranks)
         self.engine = Engine(runner, target, engine_config, stats=self.stats, server_drafter=server_drafter)
         self.engine.calibrate()  # the step budget's first cost curve, logged
 
@@ -219,6 +222,7 @@ class SpecEdgeServer:
     async def wait_failed(self) -> str:
         """Returns (the reason) once the server can no longer serve."""
         await self._failed.wait()
+        assert self.failure is not None, "set before the event"
         return self.failure
 
     async def start(self) -> str:

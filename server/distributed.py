@@ -26,6 +26,7 @@ import datetime
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.process
 import os
 import pathlib
 import signal
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.multiprocessing
@@ -108,12 +110,13 @@ def _join(spec: RankSpec, store: dist.Store | None = None) -> dist.ProcessGroup:
     if spec.device_type == "cuda":
         torch.cuda.set_device(spec.local_rank)
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
-    if spec.store_port is None:
-        rendezvous = {"init_method": "env://"}
+    if spec.store_port is None:  # torchrun's rendezvous, from the environment
+        dist.init_process_group(
+            backend, rank=spec.rank, world_size=spec.world_size, timeout=timeout, init_method="env://"
+        )
     else:
         store = store or dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False, timeout=timeout)
-        rendezvous = {"store": store}
-    dist.init_process_group(backend, rank=spec.rank, world_size=spec.world_size, timeout=timeout, **rendezvous)
+        dist.init_process_group(backend, rank=spec.rank, world_size=spec.world_size, timeout=timeout, store=store)
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
@@ -135,7 +138,7 @@ class RankGroup:
         self.control: dist.ProcessGroup | None = None
         self.collectives: GroupCollectives | None = None
         self._on_failure = on_failure
-        self._workers: dict[int, multiprocessing.Process] = {}
+        self._workers: dict[int, multiprocessing.process.BaseProcess] = {}
         self._lock = threading.Lock()
         self._closing = False
         self._threads_before = _share_cpus(spec.world_size) if spec.device_type == "cpu" else None
@@ -155,7 +158,10 @@ class RankGroup:
         """Start (or, under torchrun, meet) the other ranks and join the groups as rank 0."""
         world_size, local_rank, store = config.tp, 0, None
         if config.torchrun:
-            _, world_size, local_rank = torchrun_rank()
+            ranks = torchrun_rank()
+            if ranks is None:
+                raise ValueError("--torchrun needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+            _, world_size, local_rank = ranks
         else:
             store = dist.TCPStore(
                 "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
@@ -193,14 +199,16 @@ class RankGroup:
     def _watch(self) -> None:
         """Rank 0 learns of a dead worker at once, even while idle or stuck in a collective."""
         by_sentinel = {worker.sentinel: rank for rank, worker in self._workers.items()}
-        [first, *_] = multiprocessing.connection.wait(list(by_sentinel))
+        ready = multiprocessing.connection.wait(list(by_sentinel))
         if not self._closing:
-            rank = by_sentinel[first]
+            rank = by_sentinel[cast(int, ready[0])]  # wait() returns some of what it was given: sentinels
             self._workers[rank].join(1.0)  # its fds close a moment before its exit code can be read
             self.fail(f"tensor-parallel rank {rank} exited with code {self._workers[rank].exitcode}")
 
     def start_serving(self, num_slots: int, max_len: int) -> None:
         """Every rank sizes its share of the KV slots alike; returns once every rank is ready."""
+        if self.control is None:
+            raise RankFailure(self.fail("the tensor-parallel group never joined"))
         try:
             send_step(self.control, Op.ALLOCATE_KV, [num_slots, max_len])
             dist.barrier(group=self.control)
@@ -213,7 +221,7 @@ class RankGroup:
         reason = cause if isinstance(cause, str) else self._explain(cause)
         with self._lock:
             first = self.failure is None
-            if first:
+            if self.failure is None:
                 self.failure = reason
         if first:
             log.error("%s: this server cannot serve any more", reason)

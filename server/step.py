@@ -30,6 +30,7 @@ from specedge.server.runner import ForwardRequest, KVMove, Runner
 from specedge.server.server_draft import DraftRow, ServerDrafter
 from specedge.server.session import Session
 from specedge.server.stats import ServerStats
+from specedge.server.verify import VerifyResult
 from specedge.types import FinishReason, SparseDist
 
 log = logging.getLogger(__name__)
@@ -134,9 +135,9 @@ class Stepper:
         self._measure(batch_tokens, len(requests), time.monotonic() - target_started, clean=not any(failures))
 
         ok = [j for j, failure in enumerate(failures) if failure is None]
-        drawn = self._draw(logits, [_ask(rows[live[j]]) for j in ok]) if ok else []
-        for j, failure in enumerate(failures):
-            outcomes[live[j]] = failure
+        drawn = self._draw(logits, [_ask(rows[live[j]]) for j in ok]) if logits is not None else []  # None: none ok
+        for j, forward_failure in enumerate(failures):
+            outcomes[live[j]] = forward_failure
         moves: dict[int, KVMove] = {}
         for j, row_drawn in zip(ok, drawn):
             row = rows[live[j]]
@@ -192,6 +193,8 @@ class Stepper:
         drafted = [i for i, row in enumerate(rows) if row.chunk is None and row.work.server_draft_tokens]
         if not drafted:
             return []
+        drafter = self.server_drafter
+        assert drafter is not None, "server drafts are granted only by a server with a drafter"
 
         def draft(batch: list[Work]) -> list[list[int]]:
             requests = []
@@ -199,7 +202,7 @@ class Stepper:
                 context = (*work.session.prompt, *work.session.generated)
                 cached = work.session.draft_cached
                 requests.append(DraftRow(work.session.slot, cached, context[cached:], work.server_draft_tokens))
-            return self.server_drafter.propose(requests)
+            return drafter.propose(requests)
 
         failed = []
         for i, result in zip(drafted, run_isolated(draft, [rows[i].work for i in drafted])):
@@ -257,15 +260,17 @@ class Stepper:
             for i in moves:
                 outcomes[i] = exc
 
-    def _commit(self, row: StepRow, drawn: Drawn, timing: RoundTiming):
+    def _commit(self, row: StepRow, drawn: list[int] | VerifyResult | None, timing: RoundTiming):
         """One row's verification and commit (server/postprocess.py): its outcome, with its KV move
         when it has one; a failure is returned, to stay with the row."""
         work, session = row.work, row.work.session
         try:
             if row.chunk is not None:
+                assert not isinstance(drawn, VerifyResult), "a prefill has no drafts to verify"
                 committed = after_prefill(session, row.chunk, drawn, self.stats, prefill_start=work.prefill_start)
             else:
                 self.stats.observe_queue_wait(timing.queue_s)
+                assert drawn is not None, "a round always draws"
                 committed = after_round(
                     session, work.draft_token_ids, work.draft_parents, drawn, self.stats,
                     server_drafted=work.server_draft_tokens > 0,

@@ -141,10 +141,10 @@ def _messages(group: dist.ProcessGroup) -> Iterator[tuple[Op, list[int]]]:
 class RankGroupHandle(Protocol):
     """What the runner needs from rank 0's RankGroup (server/distributed.py)."""
 
-    control: dist.ProcessGroup
+    control: dist.ProcessGroup | None  # None until the group has joined
     failure: str | None
 
-    def fail(self, exc: BaseException) -> str:
+    def fail(self, cause: BaseException | str) -> str:
         """Record that the group broke (idempotent); returns the reason for the edges."""
 
 
@@ -168,6 +168,8 @@ class TensorParallelRunner:
     def _on_every_rank(self, op: Op, payload: list[int], run_here: Callable):
         if self.group.failure is not None:
             raise RankLost(self.group.failure)
+        if self.group.control is None:
+            raise RankLost(self.group.fail("the tensor-parallel group never joined"))
         try:
             send_step(self.group.control, op, payload)
             return run_here()
