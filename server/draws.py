@@ -65,8 +65,8 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> list[Drawn]:
     for i, row in enumerate(rows):
         if row.by_rejection:
             racing[starts[i] : starts[i] + len(row.draft_token_ids)] = False
-    top, finite, winners = argmax_and_race(logits, racing, setting.temperature, setting.floors, setting.keys)
-    targets, finite = winners.tolist(), finite.tolist()
+    top, finite_mask, winners = argmax_and_race(logits, racing, setting.temperature, setting.floors, setting.keys)
+    targets, finite = winners.tolist(), finite_mask.tolist()
     chains = {i: row for i, row in enumerate(rows) if row.by_rejection and all(finite[starts[i] : starts[i + 1]])}
     verdicts = _verify_chains(logits, chains, starts, top, targets, setting) if chains else {}
 

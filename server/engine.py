@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 
 from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, SlotAllocator
 from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig
@@ -108,7 +108,7 @@ class Engine:
         self.sessions: dict[str, Session] = {}
         self.slots = SlotAllocator(config.max_sessions)
         self.batcher = Batcher(config.batcher)
-        self._work: dict[str, _Queued] = {}  # session id -> its queued or in-flight work
+        self._work: dict[Hashable, _Queued] = {}  # session id (the batcher's key) -> its queued or in-flight work
         self._leases: dict[str, int] = {}  # connection -> open Attach streams
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specedge-engine")
         self._wakeup = asyncio.Event()

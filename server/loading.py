@@ -156,7 +156,7 @@ def _convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
     log.info("dequantizing %s once (about a minute per billion parameters); cached in %s", gguf_path.name, out_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
-    hf_model.hf_quantizer = None
+    hf_model.hf_quantizer = None  # type: ignore[assignment]  # transformers hints it as always set
     if hasattr(hf_model.config, "quantization_config"):
         del hf_model.config.quantization_config
     partial = out_dir.with_name(f"{out_dir.name}.partial-{os.getpid()}")

@@ -16,7 +16,8 @@ results through `Collectives`; a single process has neither.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from collections.abc import Iterable
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -90,6 +91,9 @@ class Partition:
 
 class Collectives(Protocol):
     """How the ranks of a partitioned model combine partial results (server/parallel.py)."""
+
+    rank: int  # this process's, in [0, world_size)
+    world_size: int
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (same shape on every rank)."""
@@ -194,7 +198,7 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(num_tokens, -1, head_dim)  # [N, H, D]
         k = k.view(num_tokens, -1, head_dim)  # [N, KVH, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (args.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -242,6 +246,9 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, part) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
+    def decoder_layers(self) -> Iterable[DecoderLayer]:
+        return cast("Iterable[DecoderLayer]", self.layers)  # nn.ModuleList is typed as holding any Module
+
 
 class CausalLM(nn.Module):
     """The whole model, or with `partition` and `collectives` one tensor-parallel rank's share of it.
@@ -249,6 +256,8 @@ class CausalLM(nn.Module):
     `args` always describes the whole model (vocab_size is the real vocabulary); `partition` what
     this process holds.
     """
+
+    inv_freq: torch.Tensor  # a buffer (register_buffer): typed here, as nn.Module's attributes are not
 
     def __init__(
         self,
@@ -285,7 +294,7 @@ class CausalLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]  # [N, 1, D]
         sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None]
-        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
+        for layer, k_cache, v_cache in zip(self.model.decoder_layers(), k_caches, v_caches):
             x = x + self._sum(layer.self_attn(layer.input_layernorm(x), cos, sin, k_cache, v_cache, batch))
             x = x + self._sum(layer.mlp(layer.post_attention_layernorm(x)))
         hidden = self.model.norm(x[batch.logit_indices])  # [L, hidden]
