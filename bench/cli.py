@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shlex
 import signal
 import sys
 from collections.abc import Callable
@@ -59,6 +60,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--draft-threads", type=int, default=1, help="llama.cpp threads per real edge")
     p.add_argument("--pin", action="store_true", help="real edges: server on CPU 0, edges on the others")
+    p.add_argument("--server-args", default="", metavar="'OPTIONS'",
+                   help="more specedge-server options as one string, e.g. --server-args='--no-fair-shares --step-tokens 32'")  # fmt: skip
     p.add_argument("--server-hw", default="a100-80gb", help="price-table entry the server is billed as")
     p.add_argument("--edge-hw", default="rtx-4090", help="price-table entry each edge is billed as")
     p.add_argument("--price", action="append", default=[], metavar="NAME=USD_PER_HOUR",
@@ -156,7 +159,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         num_draft=args.num_draft, tree=tree, follow_advice=not args.no_advice, temperature=args.temperature,
         seed=args.seed, rtt_ms=tuple(args.rtt_ms), jitter_ms=args.jitter_ms, categories=tuple(args.categories),
         prompts_file=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens,
-        requests_per_edge=args.requests_per_edge or None, stagger=not args.no_stagger, warmup=args.warmup, repeats=args.repeats, device=args.device,
+        server_extra=tuple(shlex.split(args.server_args)), requests_per_edge=args.requests_per_edge or None, stagger=not args.no_stagger, warmup=args.warmup, repeats=args.repeats, device=args.device,
         dtype=args.dtype, tp=args.tp, max_context=args.max_context, draft_threads=args.draft_threads, pin=args.pin,
         pricing=Pricing(args.server_hw, args.edge_hw, tuple(prices.items())),
     )  # fmt: skip

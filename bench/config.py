@@ -74,6 +74,7 @@ class BenchConfig:
     max_context: int = 1024
     draft_threads: int = 1  # llama.cpp threads per real edge
     pin: bool = False  # real edges: server on CPU 0, edges on the rest
+    server_extra: tuple[str, ...] = ()  # more specedge-server options, e.g. ("--no-fair-shares",)
     pricing: Pricing = Pricing()
 
     def __post_init__(self):

@@ -301,8 +301,11 @@ def hf_greedy(resolved: ResolvedModel, config: EngineBenchConfig, progress: Call
     """transformers' own model and KV cache: a --prefix-token prompt, then --hf-decode greedy tokens."""
     from transformers import AutoModelForCausalLM
 
+    from specedge.edge_client.drafting.torch_drafter import cache_kwarg
+
     model = AutoModelForCausalLM.from_pretrained(weights_dir(resolved), dtype=DTYPES[config.dtype]).eval()
     prompt = torch.tensor([_token_ids(model.config.vocab_size, config.prefix)])
+    kwarg = cache_kwarg(model)
     times = []
     with torch.inference_mode():
         start = time.perf_counter()
@@ -311,7 +314,8 @@ def hf_greedy(resolved: ResolvedModel, config: EngineBenchConfig, progress: Call
         for _ in range(config.hf_decode):
             next_token = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
             start = time.perf_counter()
-            out = model(next_token, past_key_values=out.past_key_values, use_cache=True)
+            cache = out.cache if kwarg == "cache" else out.past_key_values
+            out = model(next_token, **{kwarg: cache}, use_cache=True)
             times.append((time.perf_counter() - start) * 1e3)
     del model, out
     result = {"prefill_ms": prefill_ms, "times_ms": times, "ms_per_token": statistics.median(times), **_memory()}

@@ -43,7 +43,7 @@ def server_args(config: BenchConfig) -> list[str]:
             "--max-context", str(config.max_context), "--device", config.device, "--dtype", config.dtype, "--tp", str(config.tp)]  # fmt: skip
     if "server_spec" in config.modes:
         args += ["--draft-model", config.server_draft_model]
-    return args
+    return args + list(config.server_extra)
 
 
 def load_jobs(config: BenchConfig, tokenizer) -> list[Job]:

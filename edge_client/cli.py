@@ -34,7 +34,13 @@ def add_edge_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-depth", type=int, default=6)
     parser.add_argument("--tree-width", type=int, default=3)
     parser.add_argument("--tree-nodes", type=int, default=16, help="draft tokens per tree")
-    parser.add_argument("--no-proactive", action="store_true", help="do not draft ahead while the server verifies")
+    parser.add_argument(
+        "--proactive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="draft ahead while the server verifies (default: on, except with a server on this machine, whose "
+        "verify forward it would slow down: README, 'One box')",
+    )
     parser.add_argument("--no-fallback", action="store_true", help="keep drafting even when it is slower than the server")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -82,6 +88,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def proactive_default(args: argparse.Namespace) -> bool:
+    """Proactive drafting unless the server shares this machine: there, drafting ahead takes the cores the
+    verify it waits for runs on (measured in the README, 'One box'). A discovered server counts as remote."""
+    from specedge.net import on_this_machine
+
+    if args.server is None and args.discover is not None:
+        return True
+    return not on_this_machine(args.server or DEFAULT_SERVER)
+
+
 def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
     from specedge.edge_client.channel import ChannelSecurity
     from specedge.edge_client.client import ConnectionConfig
@@ -96,7 +112,7 @@ def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
         seed=args.seed,
         draft_p_min=args.draft_p_min,
         tree=TreeBudget(args.tree_depth, args.tree_width, args.tree_nodes) if args.tree else None,
-        proactive=not args.no_proactive,
+        proactive=proactive_default(args) if args.proactive is None else args.proactive,
         slow_draft_fallback=not args.no_fallback,
     )
     connection = ConnectionConfig(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 
 def host_of(address: str) -> str:
@@ -22,3 +23,26 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def on_this_machine(address: str) -> bool:
+    """Whether a gRPC target is served from this machine: loopback, or an address of one of its interfaces
+    (one a socket can bind to), names resolved first. A name that does not resolve: no."""
+    host = host_of(address)
+    if is_loopback(host) or address.startswith("unix:"):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        if ip.is_loopback or ip.is_unspecified:
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False

@@ -30,3 +30,12 @@ def min_prob_between(chain: DraftChain, quantile: float) -> float:
     tops = sorted(set(top_probs(chain)))
     index = min(max(1, round(quantile * len(tops))), len(tops) - 1)
     return (tops[index - 1] + tops[index]) / 2
+
+
+def min_prob_cutting_inside(chain: DraftChain) -> float:
+    """A min_prob that keeps the first position and cuts at a later one: halfway between the first
+    top probability and the largest later one below it (float rounding cannot cross it)."""
+    tops = top_probs(chain)
+    below = [top for top in tops[1:] if top < tops[0]]
+    assert below, f"no position after the first is less sure than it: {tops}"
+    return (tops[0] + max(below)) / 2

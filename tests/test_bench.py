@@ -325,6 +325,13 @@ def test_random_target_presets_are_named_when_unknown(tiny_target_dir, capsys, t
     assert "unknown random model 'qwen9-huge'; presets: qwen2-0.5b" in err
 
 
+def test_more_server_options_reach_the_servers_command_line():
+    from specedge.bench.run import server_args
+
+    config = cli.bench_config(cli.parse_args(["--modes", "ar", "--server-args=--no-fair-shares --step-tokens 32"]))
+    assert server_args(config)[-3:] == ["--no-fair-shares", "--step-tokens", "32"]
+
+
 def test_quick_preset_keeps_at_least_n1_and_n4_and_every_mode():
     from specedge.bench.config import quick
 

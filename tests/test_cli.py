@@ -58,7 +58,9 @@ def test_streamed_answer_with_a_stats_line(server, tiny_draft_dir):
     as_json = edge(*common, "--json")
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout.rstrip("\n") == json.loads(as_json.stdout)["text"]
-    [stats_line] = streamed.stderr.strip().splitlines()
+    lines = streamed.stderr.strip().splitlines()
+    assert len(lines) == 1, streamed.stderr
+    [stats_line] = lines
     assert stats_line.startswith("[30 tokens, ") and "acceptance" in stats_line and "first token" in stats_line
 
 

@@ -102,9 +102,14 @@ class ChatSettings:
         )
 
     def policy(self, base: SpeculationPolicy) -> SpeculationPolicy:
-        """`base` (the app's drafting options) with this answer's sampling and length."""
+        """`base` (the app's drafting options) with this answer's sampling and length; no proactive drafting
+        for a server on this machine (it would slow the verify it waits for: README, 'One box')."""
+        from specedge.net import on_this_machine
+
+        local = bool(self.server) and not self.fleet_broker and on_this_machine(self.server)
         return dataclasses.replace(
             base,
+            proactive=base.proactive and not local,
             max_new_tokens=self.max_tokens,
             sampling=SamplingParams(temperature=self.temperature),
             num_draft=0 if self.server_only else base.num_draft,

@@ -9,6 +9,7 @@ tokens to drop (a positive argument raises).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,12 @@ from specedge.edge_client.drafting.tree import ROOT, TreeGrower
 from specedge.edge_client.tokenizer import HFTokenizer
 
 
+def cache_kwarg(model) -> str:
+    """The name a transformers model's forward takes its KV cache by: `cache` since 5.24 (which warns on the
+    old name, to be removed in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class TorchDrafter:
     """Drafter over one model and one cache; not safe to share between threads."""
 
@@ -44,6 +51,7 @@ class TorchDrafter:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         # transformers wraps to() in a decorator whose hint takes the model where the device goes.
         self._model = model.to(self._device).eval()  # type: ignore[arg-type]
+        self._cache_kwarg = cache_kwarg(self._model)
         text_config = self._model.config.get_text_config()
         self._num_vocab = text_config.vocab_size
         self._max_tokens = getattr(text_config, "max_position_embeddings", None) or sys.maxsize
@@ -129,7 +137,7 @@ class TorchDrafter:
 
     def _run(self, new_ids: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([new_ids], device=self._device)  # [1, num_new]
-        output = self._model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        output = self._model(input_ids=input_ids, **{self._cache_kwarg: self._cache}, use_cache=True, logits_to_keep=1)
         self._cached_ids.extend(new_ids)
         return output.logits[0, -1:]  # [1, vocab]
 
@@ -153,7 +161,7 @@ class TorchDrafter:
         input_ids = [[tree.token(node) for node in level]]  # [1, num_level]
         output = self._model(
             input_ids=torch.tensor(input_ids, device=self._device),
-            past_key_values=self._cache,
+            **{self._cache_kwarg: self._cache},
             use_cache=True,
             attention_mask=mask.to(self._device),
             position_ids=torch.tensor(positions, device=self._device),
