@@ -101,8 +101,8 @@ def _engine_parser(sub) -> None:
     p.add_argument("--dtype", default=defaults["dtype"].default, help="float32, or bfloat16 (changes numerics)")
     p.add_argument("--prefix", type=int, default=defaults["prefix"].default, help="cached tokens per row")
     p.add_argument("--stream-gb", type=float, default=defaults["stream_gb"].default, help="bandwidth test size")
-    p.add_argument("--gemm-m", type=int, nargs="+", default=list(defaults["gemm_m"].default), help="GEMM rows tried")
-    p.add_argument("--kernel-m", type=int, nargs="*", default=list(defaults["kernel_m"].default),
+    p.add_argument("--gemm-m", type=int, nargs="+", default=list(EngineBenchConfig.gemm_m), help="GEMM rows tried")
+    p.add_argument("--kernel-m", type=int, nargs="*", default=list(EngineBenchConfig.kernel_m),
                    help="small M at which eager, oneDNN and inductor-frozen products are compared (none: skip)")  # fmt: skip
     p.add_argument("--hf-decode", type=int, default=defaults["hf_decode"].default,
                    help="transformers greedy steps timed (0: skip)")  # fmt: skip

@@ -10,7 +10,15 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from specedge.edge_client.drafting.base import DraftChain, Drafter, DraftSampling, DraftTree, TreeBudget, TreeDrafter
+from specedge.edge_client.drafting.base import (
+    CoupledSampling,
+    DraftChain,
+    Drafter,
+    DraftSampling,
+    DraftTree,
+    TreeBudget,
+    TreeDrafter,
+)
 
 from .simulated import AcceptanceProfile, AnswerScript, SimulatedDrafter, make_script
 
@@ -32,7 +40,11 @@ class TimedDrafter:
         self.calls: list[DraftCall] | None = [] if record else None
 
     def propose(
-        self, context: Sequence[int], num_tokens: int, sampling: DraftSampling | None = None, min_prob: float = 0.0
+        self,
+        context: Sequence[int],
+        num_tokens: int,
+        sampling: DraftSampling | CoupledSampling | None = None,
+        min_prob: float = 0.0,
     ) -> DraftChain:
         started = time.perf_counter()
         chain = self.inner.propose(context, num_tokens, sampling, min_prob)

@@ -68,7 +68,7 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
     decode_tokens = sum(w[0] for w in windows)
     decode_s = sum(w[1] for w in windows)
     itl = [sample for r in results for sample in r.itl_samples_ms()]
-    ttft = [r.ttft_ms for r in results if r.deliveries]
+    ttft = [ttft_ms for r in results if (ttft_ms := r.ttft_ms) is not None]  # None: nothing delivered
     busy_s = sum(counters[k] for k in ("forward_s", "schedule_s", "postprocess_s"))
     drafted = counters["draft_tokens"] > 0
     proactive_rounds = sum(r.proactive_rounds for r in results)

@@ -170,7 +170,8 @@ async def _stream(identity: _Identity, prompt: list[int], num_rounds: int, until
     """A's session: server-only rounds, `num_rounds` of them (and, given `until`, on until it is done);
     the gap before each reply, in seconds."""
     session_id, generated = (await identity.open(prompt, 4000)).session_id, 1
-    gaps, last = [], time.perf_counter()
+    gaps: list[float] = []
+    last = time.perf_counter()
     while len(gaps) < num_rounds or (until is not None and not until.done()):
         reply = await identity.verify(session_id, [], generated)
         now = time.perf_counter()
@@ -268,7 +269,8 @@ def _fingerprint(target: str) -> pb.TokenizerFingerprint:
 def run_neighbours(config: NeighboursConfig, progress: Callable[[str], None] = print) -> dict:
     """Every setting's figures, measured one server after the other in this invocation."""
     fingerprint = _fingerprint(config.target)
-    results = {"config": dataclasses.asdict(config), "load_average_before": os.getloadavg(), "settings": {}}
+    settings: dict[str, dict] = {}
+    results = {"config": dataclasses.asdict(config), "load_average_before": os.getloadavg(), "settings": settings}
     with tempfile.TemporaryDirectory() as folder:
         tokens, lines = {}, []
         for name in ("a", "b"):
@@ -288,7 +290,7 @@ def run_neighbours(config: NeighboursConfig, progress: Callable[[str], None] = p
                 figures = asyncio.run(_measure(server.address, tokens, fingerprint, config))
                 metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30)
                 figures["step"] = _step_cost(metrics.read().decode())
-            results["settings"][setting] = figures
+            settings[setting] = figures
             progress(f"neighbours: {setting}: {json.dumps(figures)}")
     results["load_average_after"] = os.getloadavg()
     return results

@@ -167,7 +167,8 @@ def _runner_up_outcomes(prompt_len: int, answer: list[int], calls: list[DraftCal
 def _category_profile(rows: list[dict], depth: int) -> CategoryProfile:
     drafts = sum(r["drafts"] for r in rows)
     reached = [sum(r["accepted_per_pos"].get(d, 0.0) for r in rows) for d in range(depth)]
-    acceptance, previous = [], drafts
+    acceptance: list[float] = []
+    previous = drafts
     for count in reached:
         # A depth no round got to keeps the last measured rate (too little data to say more).
         acceptance.append(count / previous if previous else (acceptance[-1] if acceptance else 0.0))

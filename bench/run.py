@@ -22,9 +22,11 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
+
+from specedge.edge_client.drafting.base import Drafter
 
 from .config import SERVER_DRIVEN, BenchConfig
 from .edges import real_drafters, simulated_drafters
@@ -54,12 +56,13 @@ def load_jobs(config: BenchConfig, tokenizer) -> list[Job]:
     ]
 
 
-def run_benchmark(config: BenchConfig, progress: bool = True, checkpoint: Callable[[dict], None] | None = None) -> dict:
+def run_benchmark(config: BenchConfig, progress: bool = True, checkpoint: Callable[[dict], object] | None = None) -> dict:
     """Measure every cell; `checkpoint` gets the results so far after each cell (a long run keeps its data)."""
     from specedge.edge_client.tokenizer import load_tokenizer
     from specedge.registry import resolve
 
-    profile = AcceptanceProfile.load(config.profile) if config.edge_kind == "simulated" and config.uses_edges else None
+    simulated = config.edge_kind == "simulated" and config.uses_edges  # then a profile is required (BenchConfig)
+    profile = AcceptanceProfile.load(config.profile) if simulated and config.profile is not None else None
     tokenizer = load_tokenizer(resolve(config.draft))
     jobs = load_jobs(config, tokenizer)
     pin_server = None
@@ -106,7 +109,7 @@ async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs
     total = sum(config.requests_for(c.num_edges, len(jobs)) * c.num_edges for c in cells) * config.repeats
     bar = tqdm(total=len(jobs) + total, desc="reference pass", unit="answer", disable=not progress, file=sys.stderr)
     references, answer_s = await _reference_pass(config, server.address, fingerprint, jobs, bar.update)
-    drafters = []
+    drafters: Sequence[Drafter] = []  # timed real ones, or simulated
     if config.uses_edges:
         count = max(config.num_edges)
         if config.edge_kind == "real":

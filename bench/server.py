@@ -52,8 +52,11 @@ class ServerProcess:
         )
         ready = threading.Event()
 
+        output = self._process.stdout
+        assert output is not None, "stdout=PIPE"
+
         def read() -> None:  # keep draining its output, so a chatty server never blocks on a full pipe
-            for line in self._process.stdout:
+            for line in output:
                 self._log.append(line.rstrip())
                 del self._log[:-50]
                 if line.startswith("specedge-server ready on"):

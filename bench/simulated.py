@@ -193,12 +193,12 @@ class SimulatedDrafter:
             if confidence < min_prob:
                 break
             truth = script.reference[position] if known else None
-            if on_track and known and script.correct[position]:
+            if on_track and truth is not None and script.correct[position]:
                 token, runner_up = truth, _other_than(truth, 1, self.fingerprint)
             else:
                 token = _other_than(truth, 1, self.fingerprint)
                 hit = on_track and known and script.runner_up_hit[position]
-                runner_up = truth if hit else _other_than(truth, 2, self.fingerprint)
+                runner_up = truth if hit and truth is not None else _other_than(truth, 2, self.fingerprint)
                 on_track = False
             token_ids.append(token)
             probs.append(confidence)

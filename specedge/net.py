@@ -36,7 +36,7 @@ def on_this_machine(address: str) -> bool:
     except (socket.gaierror, UnicodeError):
         return False
     for family, _, _, _, sockaddr in infos:
-        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])  # an IPv6 address may carry a "%zone"
         if ip.is_loopback or ip.is_unspecified:
             return True
         try:
