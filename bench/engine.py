@@ -23,6 +23,7 @@ row from position 0 (last logits only); "p155" is that prefill row alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import importlib.metadata
 import json
@@ -210,12 +211,12 @@ def gemm_rates(out_features: int, in_features: int, ms: tuple[int, ...], dtype: 
     paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"eager": lambda x: F.linear(x, weight)}
     if onednn_unavailable(torch.device("cpu"), dtype) is None:
         paths["onednn"] = PackedLinear(weight, None)
-    rows = []
+    rows: list[dict] = []
     with torch.inference_mode():
         for m in ms:
             x = torch.randn(m, in_features).to(dtype)
             for path, linear in paths.items():
-                times = _times_ms(lambda linear=linear, x=x: linear(x), repeats)
+                times = _times_ms(functools.partial(linear, x), repeats)
                 gflop_s = 2 * m * out_features * in_features / (statistics.median(times) * 1e6)
                 rows.append({"path": path, "m": m, "times_ms": times, "gflop_s": gflop_s})
     return {"shape": [out_features, in_features], "rows": rows, "peak_gflop_s": max(r["gflop_s"] for r in rows)}
@@ -237,7 +238,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
             x = torch.randn(m, in_features).to(dtype)
             row: dict = {"m": m}
             for name, kernel in kernels.items():
-                row[name] = kernel if isinstance(kernel, str) else statistics.median(_times_ms(lambda k=kernel, x=x: k(x), repeats))
+                row[name] = kernel if isinstance(kernel, str) else statistics.median(_times_ms(functools.partial(kernel, x), repeats))
             row["inductor"], compile_s[m] = _inductor_frozen_ms(linear, x, repeats)
             rows.append(row)
     return {"shape": [out_features, in_features], "weight_bytes": linear.weight.nbytes, "rows": rows, "compile_s": compile_s}
@@ -287,11 +288,12 @@ def time_path(
     results: dict[str, dict] = {}
     for step in steps:
         requests = step.requests(config.prefix, token_ids)
-        times = _times_ms(lambda requests=requests: runner.forward_packed(requests), config.repeats)
+        times = _times_ms(functools.partial(runner.forward_packed, requests), config.repeats)
         results[step.name] = {"ms": statistics.median(times), "times_ms": times}
         progress(f"{path} {step.name}: {results[step.name]['ms']:.1f} ms")
     largest = max(steps, key=lambda step: step.num_logits)
     sample = runner.forward_packed(largest.requests(config.prefix, token_ids))  # [num_logits, vocab]
+    assert sample is not None, "one process: the logits are all here"
     kv_bytes = sum(t.nbytes for t in (*kv.k, *kv.v))
     figures = {"matmul": target.matmul, "load_s": load_s, "steps": results, "kv_cache_bytes": kv_bytes, **_memory()}
     return figures, sample, model.args
@@ -335,9 +337,9 @@ def host_draws(sample: torch.Tensor, config: EngineBenchConfig) -> dict:
     for case, logits in (("flat", flat), ("peaked", flat * HOST_PEAKED_SCALE)):
         # How much of the vocabulary the race's first bound admits: logit >= max + T * (g - GUMBEL_MAX).
         within_reach = logits >= (logits.max(dim=-1).values - HOST_TEMPERATURE * noise.GUMBEL_MAX)[:, None]
-        times = {"fraction_within_race_bound": within_reach.float().mean().item()}
+        times: dict[str, object] = {"fraction_within_race_bound": within_reach.float().mean().item()}
         for kind, rows in _host_rows(logits, config).items():
-            runs = _times_ms(lambda logits=logits, rows=rows: draw_rows(logits, rows), config.repeats)
+            runs = _times_ms(functools.partial(draw_rows, logits, rows), config.repeats)
             times[kind] = {"ms": statistics.median(runs), "times_ms": runs}
         results[case] = times
     return results
@@ -363,7 +365,7 @@ def _host_rows(logits: torch.Tensor, config: EngineBenchConfig) -> dict[str, lis
 
 def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dict:
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
-    threads = config.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    threads = config.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     torch.set_num_threads(threads)
     steps = [Step.parse(name) for name in config.steps]
     resolved = resolve(config.target)
@@ -378,12 +380,16 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     bandwidth, peak = limits["stream"]["gb_s_median"], limits["gemm"]["peak_gflop_s"]
     say(f"limits: stream {bandwidth:.1f} GB/s (median), GEMM peak {peak:.0f} GFLOP/s")
 
-    paths, sample, args = {}, None, None
+    paths: dict[str, dict] = {}
+    sample: torch.Tensor | None = None
+    args: ModelArgs | None = None
     for path in config.matmul:
         paths[path], logits, args = time_path(resolved, path, config, steps, say)
         sample = logits if sample is None else sample
         del logits
         gc.collect()  # the previous path's weights go before the next path loads its own
+    if sample is None or args is None:
+        raise ValueError("no --matmul path to time")
     cost = CostModel.of(args, DTYPES[config.dtype])
     hf = {"skipped": "random weights exist only in this process"} if resolved.format == "random" else None
     if hf is None and config.hf_decode == 0:
