@@ -133,7 +133,7 @@ def _from_hf(hf_model) -> CausalLM:
     model.load_state_dict(state, assign=True, strict=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = inv_freq.to(model.lm_head.weight.device)
+    model.inv_freq = inv_freq.to(model.model.embed_tokens.weight.device)
     return model
 
 

@@ -24,9 +24,13 @@ decoding on it still agree token for token.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from specedge.server.model import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +83,9 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
 
 
 @torch.no_grad()
-def pack_for_onednn(model: nn.Module) -> None:
+def pack_for_onednn(model: CausalLM) -> None:
     """Replace every projection of a CausalLM (server/model.py) by its packed, fused form, in place."""
-    for layer in model.model.layers:
+    for layer in model.model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = _fused(attn.q_proj, attn.k_proj, attn.v_proj)
         attn.q_proj = attn.k_proj = attn.v_proj = None  # frees the plain weights
@@ -96,12 +100,20 @@ def pack_for_onednn(model: nn.Module) -> None:
         tensor.data = tensor.data.clone()
 
 
-def _packed(linear: nn.Linear) -> PackedLinear:
+def _as_linear(module: nn.Module | None) -> nn.Linear:
+    if not isinstance(module, nn.Linear):  # e.g. packed already: a model is packed once, as loaded
+        raise TypeError(f"only a model's nn.Linear projections are packed, not {type(module).__name__}")
+    return module
+
+
+def _packed(module: nn.Module | None) -> PackedLinear:
+    linear = _as_linear(module)
     return PackedLinear(linear.weight, linear.bias)
 
 
-def _fused(*linears: nn.Linear) -> PackedLinear:
-    weight = torch.cat([linear.weight for linear in linears])  # [sum(out), in]
+def _fused(*modules: nn.Module | None) -> PackedLinear:
+    linears = [_as_linear(module) for module in modules]
+    weight = torch.cat(tuple(linear.weight for linear in linears))  # [sum(out), in]
     biases = [linear.bias for linear in linears]
-    bias = None if biases[0] is None else torch.cat(biases)
+    bias = None if biases[0] is None else torch.cat(tuple(biases))
     return PackedLinear(weight, bias)

@@ -171,10 +171,11 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         self.num_heads, self.num_kv_heads = part.num_heads, part.num_kv_heads
-        self.q_proj = nn.Linear(args.hidden_size, part.num_heads * args.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(part.num_heads * args.head_dim, args.hidden_size, bias=False)
+        # nn.Module and Optional: server/matmul.py replaces them by their packed forms, q/k/v by one fused product.
+        self.q_proj: nn.Module | None = nn.Linear(args.hidden_size, part.num_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj: nn.Module | None = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj: nn.Module | None = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj: nn.Module = nn.Linear(part.num_heads * args.head_dim, args.hidden_size, bias=False)
         # Per head, so every tensor-parallel rank holds them whole.
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
@@ -195,6 +196,7 @@ class Attention(nn.Module):
             q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
             q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
         else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None  # not fused
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(num_tokens, -1, head_dim)  # [N, H, D]
         k = k.view(num_tokens, -1, head_dim)  # [N, KVH, D]
@@ -216,9 +218,10 @@ class MLP(nn.Module):
 
     def __init__(self, args: ModelArgs, part: Partition):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, part.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, part.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(part.intermediate_size, args.hidden_size, bias=False)
+        # nn.Module and Optional: server/matmul.py replaces them by their packed forms, gate/up by one fused product.
+        self.gate_proj: nn.Module | None = nn.Linear(args.hidden_size, part.intermediate_size, bias=False)
+        self.up_proj: nn.Module | None = nn.Linear(args.hidden_size, part.intermediate_size, bias=False)
+        self.down_proj: nn.Module = nn.Linear(part.intermediate_size, args.hidden_size, bias=False)
         # server/matmul.py may replace gate/up with one fused product.
         self.gate_up_proj: nn.Module | None = None
 
@@ -226,6 +229,7 @@ class MLP(nn.Module):
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
+            assert self.gate_proj is not None and self.up_proj is not None  # not fused
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
 
@@ -273,7 +277,7 @@ class CausalLM(nn.Module):
         self.partition = partition or Partition.whole(args)
         self.collectives = collectives
         self.model = Backbone(args, self.partition)
-        self.lm_head = nn.Linear(args.hidden_size, self.partition.num_vocab_rows, bias=False)
+        self.lm_head: nn.Module = nn.Linear(args.hidden_size, self.partition.num_vocab_rows, bias=False)  # or packed
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
