@@ -22,7 +22,7 @@ from specedge.fleet.messages import (
     EdgeStats,
     ServerLoad,
     ServerStatus,
-)  # fmt: skip
+)
 from specedge.fleet.telemetry import EdgeTelemetry
 from specedge.fleet.view import FleetView
 from specedge.tokens import TokenizerFingerprint
