@@ -34,7 +34,9 @@ class Pricing:
         table = dict(self.prices)
         for name in (self.server_hw, self.edge_hw):
             if name not in table:
-                raise ValueError(f"no price for {name!r}; known: {', '.join(table)} (add one with --price {name}=USD_PER_HOUR)")
+                raise ValueError(
+                    f"no price for {name!r}; known: {', '.join(table)} (add one with --price {name}=USD_PER_HOUR)"
+                )
         if any(not math.isfinite(p) or p < 0 for p in table.values()):
             raise ValueError("prices must be finite and >= 0")
 
@@ -87,7 +89,9 @@ class BenchConfig:
         if self.edge_kind == "simulated" and self.uses_edges and self.profile is None:
             raise ValueError("simulated edges need an acceptance profile: --profile PATH (record one with `profile`)")
         if self.edge_kind == "simulated" and self.tree is not None:
-            raise ValueError("simulated edges draft chains only; use --edge-kind real with a torch (HF) draft for trees")
+            raise ValueError(
+                "simulated edges draft chains only; use --edge-kind real with a torch (HF) draft for trees"
+            )
         if self.num_draft < 1:
             raise ValueError(f"--num-draft must be >= 1, got {self.num_draft}")
         if not math.isfinite(self.temperature) or self.temperature < 0:

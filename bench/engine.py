@@ -89,7 +89,8 @@ class Step:
     def requests(self, prefix: int, token_ids: list[int]) -> list[ForwardRequest]:
         """Row i in slot i on its `prefix` cached tokens; the prefill row in the next slot, from position 0."""
         rows = [
-            ForwardRequest(slot, prefix, tuple(token_ids[: self.new_tokens]), all_logits=True) for slot in range(self.rows)
+            ForwardRequest(slot, prefix, tuple(token_ids[: self.new_tokens]), all_logits=True)
+            for slot in range(self.rows)
         ]
         if self.prefill:
             rows.append(ForwardRequest(self.rows, 0, tuple(token_ids[: self.prefill]), all_logits=False))
@@ -238,10 +239,19 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
             x = torch.randn(m, in_features).to(dtype)
             row: dict = {"m": m}
             for name, kernel in kernels.items():
-                row[name] = kernel if isinstance(kernel, str) else statistics.median(_times_ms(functools.partial(kernel, x), repeats))
+                row[name] = (
+                    kernel
+                    if isinstance(kernel, str)
+                    else statistics.median(_times_ms(functools.partial(kernel, x), repeats))
+                )
             row["inductor"], compile_s[m] = _inductor_frozen_ms(linear, x, repeats)
             rows.append(row)
-    return {"shape": [out_features, in_features], "weight_bytes": linear.weight.nbytes, "rows": rows, "compile_s": compile_s}
+    return {
+        "shape": [out_features, in_features],
+        "weight_bytes": linear.weight.nbytes,
+        "rows": rows,
+        "compile_s": compile_s,
+    }
 
 
 def _inductor_frozen_ms(linear: torch.nn.Module, x: torch.Tensor, repeats: int) -> tuple[float | str, float | None]:
@@ -365,7 +375,9 @@ def _host_rows(logits: torch.Tensor, config: EngineBenchConfig) -> dict[str, lis
 
 def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dict:
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
-    threads = config.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    threads = config.threads or (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     torch.set_num_threads(threads)
     steps = [Step.parse(name) for name in config.steps]
     resolved = resolve(config.target)
@@ -375,7 +387,12 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     limits["gemm"] = gemm_rates(*_mlp_shape(resolved), config.gemm_m, DTYPES[config.dtype], config.repeats)
     if config.kernel_m:
         limits["kernels"] = matrix_kernels(*_mlp_shape(resolved), config.kernel_m, DTYPES[config.dtype], config.repeats)
-        say("kernels: " + "; ".join(f"M={r['m']} " + " ".join(f"{k} {_kernel_ms(r[k])}" for k in KERNELS) for r in limits["kernels"]["rows"]))
+        say(
+            "kernels: "
+            + "; ".join(
+                f"M={r['m']} " + " ".join(f"{k} {_kernel_ms(r[k])}" for k in KERNELS) for r in limits["kernels"]["rows"]
+            )
+        )
     limits["memory"] = _memory()
     bandwidth, peak = limits["stream"]["gb_s_median"], limits["gemm"]["peak_gflop_s"]
     say(f"limits: stream {bandwidth:.1f} GB/s (median), GEMM peak {peak:.0f} GFLOP/s")
@@ -409,7 +426,15 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
         for step in steps
     }
     model = {**dataclasses.asdict(cost), "weight_bytes": cost.weight_bytes, "args": dataclasses.asdict(args)}
-    return {"meta": meta, "model": model, "limits": limits, "roofline": roofline, "paths": paths, "hf": hf, "host": host}
+    return {
+        "meta": meta,
+        "model": model,
+        "limits": limits,
+        "roofline": roofline,
+        "paths": paths,
+        "hf": hf,
+        "host": host,
+    }
 
 
 def _mlp_shape(resolved: ResolvedModel) -> tuple[int, int]:
@@ -426,7 +451,9 @@ def _mlp_shape(resolved: ResolvedModel) -> tuple[int, int]:
 
 
 def _machine(config: EngineBenchConfig, threads: int) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor()
+    )
     return {
         "config": dataclasses.asdict(config),
         "command": " ".join(sys.argv),
@@ -490,7 +517,9 @@ def _kernel_lines(kernels: dict | None, bandwidth: float) -> list[str]:
         lines.append(f"| {row['m']} | " + " | ".join(_kernel_ms(row[k]) for k in KERNELS) + f" | {best} |")
     compiles = [f"{s:.1f}" for s in kernels["compile_s"].values() if s is not None]
     notes = sorted({row[k] for row in kernels["rows"] for k in KERNELS if isinstance(row[k], str)})
-    lines += [""] + ([f"inductor compile per M: {', '.join(compiles)} s (not in the times)."] if compiles else []) + notes
+    lines += (
+        [""] + ([f"inductor compile per M: {', '.join(compiles)} s (not in the times)."] if compiles else []) + notes
+    )
     return lines
 
 
@@ -506,13 +535,19 @@ def engine_markdown(results: dict) -> str:
     meta, limits, model, paths = results["meta"], results["limits"], results["model"], results["paths"]
     config, stream, gemm = meta["config"], limits["stream"], limits["gemm"]
     bandwidth, peak = stream["gb_s_median"], gemm["peak_gflop_s"]
-    load = "/".join(f"{v:.2f}" for v in meta["load_average_before"]), "/".join(f"{v:.2f}" for v in meta["load_average_after"])
+    load = (
+        "/".join(f"{v:.2f}" for v in meta["load_average_before"]),
+        "/".join(f"{v:.2f}" for v in meta["load_average_after"]),
+    )
     lines = [
         f"# specedge-bench engine: {config['target']}, {config['dtype']}, {meta['threads']} threads",
         "",
         f"{meta['cpu']} ({meta['cpus']} CPUs), torch {meta['torch']}; load average {load[0]} before, {load[1]} after.",
-        *(["bfloat16 weights change the target's numerics (the operator's choice, never a silent default)."]
-          if config["dtype"] == "bfloat16" else []),  # fmt: skip
+        *(
+            ["bfloat16 weights change the target's numerics (the operator's choice, never a silent default)."]
+            if config["dtype"] == "bfloat16"
+            else []
+        ),
         "",
         "## Limits (measured in this run)",
         "",
@@ -523,8 +558,10 @@ def engine_markdown(results: dict) -> str:
     ]
     for row in gemm["rows"]:
         best = 2 * row["m"] * math.prod(gemm["shape"]) / (min(row["times_ms"]) * 1e6)
-        lines.append(f"| GEMM {row['path']} M={row['m']} | {_rate(row['gflop_s'])} GFLOP/s | {_rate(best)} GFLOP/s | "
-                     f"[{row['m']}, {gemm['shape'][1]}] x [{gemm['shape'][1]}, {gemm['shape'][0]}] |")  # fmt: skip
+        lines.append(
+            f"| GEMM {row['path']} M={row['m']} | {_rate(row['gflop_s'])} GFLOP/s | {_rate(best)} GFLOP/s | "
+            f"[{row['m']}, {gemm['shape'][1]}] x [{gemm['shape'][1]}, {gemm['shape'][0]}] |"
+        )
     lines += _kernel_lines(limits.get("kernels"), bandwidth)
     gflop_per_token = 2 * (model["layer_params"] + model["head_params"]) / 1e9
     lines += [
@@ -552,9 +589,11 @@ def engine_markdown(results: dict) -> str:
         lines.append(f"Skipped: {hf['skipped']}.")
     else:
         ours = ", ".join(f"{p} {paths[p]['steps']['1x1']['ms']:.1f} ms" for p in paths if "1x1" in paths[p]["steps"])
-        lines.append(f"{hf['ms_per_token']:.1f} ms per token (median of {len(hf['times_ms'])} decode steps after a "
-                     f"{config['prefix']}-token prompt, which took {hf['prefill_ms']:.0f} ms)"
-                     + (f"; this engine's 1x1 step: {ours}." if ours else "."))  # fmt: skip
+        lines.append(
+            f"{hf['ms_per_token']:.1f} ms per token (median of {len(hf['times_ms'])} decode steps after a "
+            f"{config['prefix']}-token prompt, which took {hf['prefill_ms']:.0f} ms)"
+            + (f"; this engine's 1x1 step: {ours}." if ours else ".")
+        )
     rows, vocab = host["logits_shape"]
     lines += [
         "",
@@ -567,11 +606,14 @@ def engine_markdown(results: dict) -> str:
         "",
         "| draws | flat ms | peaked ms |",
         "|---|---|---|",
-        *(f"| {label} | {host['flat'][kind]['ms']:.1f} | {host['peaked'][kind]['ms']:.1f} |" for kind, label in (
-            ("greedy", "greedy"),
-            ("sampled", f"sampled, T={HOST_TEMPERATURE}, no q (verified by matching samples)"),
-            ("rejection", f"sampled, T={HOST_TEMPERATURE}, top-{DRAFT_TOP} q (rejection sampling)"),
-        )),
+        *(
+            f"| {label} | {host['flat'][kind]['ms']:.1f} | {host['peaked'][kind]['ms']:.1f} |"
+            for kind, label in (
+                ("greedy", "greedy"),
+                ("sampled", f"sampled, T={HOST_TEMPERATURE}, no q (verified by matching samples)"),
+                ("rejection", f"sampled, T={HOST_TEMPERATURE}, top-{DRAFT_TOP} q (rejection sampling)"),
+            )
+        ),
         "",
         "## Memory",
         "",

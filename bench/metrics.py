@@ -34,9 +34,16 @@ from .ideal import CostCurve, ideal_ratio
 from .modes import Cell, CellRun, RequestResult
 
 REQUIRED_FIELDS = (
-    "mode", "num_edges", "throughput_tok_s", "itl_p50_ms", "itl_p95_ms", "ttft_p50_ms", "acceptance_rate",
-    "proactive_hit_rate", "cost_per_mtok_usd",
-)  # fmt: skip
+    "mode",
+    "num_edges",
+    "throughput_tok_s",
+    "itl_p50_ms",
+    "itl_p95_ms",
+    "ttft_p50_ms",
+    "acceptance_rate",
+    "proactive_hit_rate",
+    "cost_per_mtok_usd",
+)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -97,7 +104,9 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
             [per_pos.get(p, 0.0) / counters["drafts"] for p in range(max(per_pos) + 1)] if drafted and per_pos else []
         ),
         "acceptance_per_category": per_category(results),
-        "proactive_hit_rate": _ratio(sum(r.proactive_hits for r in results), proactive_rounds) if proactive_rounds else None,
+        "proactive_hit_rate": _ratio(sum(r.proactive_hits for r in results), proactive_rounds)
+        if proactive_rounds
+        else None,
         "server_busy_s": busy_s,
         "server_busy_fraction": _ratio(busy_s, wall_s),
         "tokens_per_server_busy_s": _ratio(tokens, busy_s),

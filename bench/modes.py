@@ -91,10 +91,13 @@ class CellRun:
 
     def to_json(self) -> dict:
         return {
-            "wall_s": self.wall_s, "edge_busy_s": self.edge_busy_s, "load_average": self.load_average,
-            "server_counters": self.counters.values, "accepted_per_pos": self.counters.accepted_per_pos,
+            "wall_s": self.wall_s,
+            "edge_busy_s": self.edge_busy_s,
+            "load_average": self.load_average,
+            "server_counters": self.counters.values,
+            "accepted_per_pos": self.counters.accepted_per_pos,
             "requests": [r.to_json() for r in self.results],
-        }  # fmt: skip
+        }
 
 
 def connection(config: BenchConfig, rtt_ms: float) -> ConnectionConfig:
@@ -155,12 +158,20 @@ async def run_cell(
                 on_tokens,
                 policy=policy(config, cell.mode, seed),
             )
-            results.append(RequestResult(
-                edge=index, prompt_id=job.prompt_id, category=job.category, token_ids=list(result.token_ids),
-                finish=result.finish.name.lower(), start_s=request_started - started, deliveries=deliveries,
-                stats=result.stats.as_dict(), proactive_rounds=result.stats.proactive_rounds,
-                proactive_hits=result.stats.proactive_hits,
-            ))  # fmt: skip
+            results.append(
+                RequestResult(
+                    edge=index,
+                    prompt_id=job.prompt_id,
+                    category=job.category,
+                    token_ids=list(result.token_ids),
+                    finish=result.finish.name.lower(),
+                    start_s=request_started - started,
+                    deliveries=deliveries,
+                    stats=result.stats.as_dict(),
+                    proactive_rounds=result.stats.proactive_rounds,
+                    proactive_hits=result.stats.proactive_hits,
+                )
+            )
             on_done()
         return results
 

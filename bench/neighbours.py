@@ -89,9 +89,11 @@ class _Identity:
 
     async def open(self, prompt: list[int], max_new_tokens: int) -> pb.OpenSessionResponse:
         request = pb.OpenSessionRequest(
-            tokenizer=self.fingerprint, prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
+            tokenizer=self.fingerprint,
+            prompt_token_ids=prompt,
+            max_new_tokens=max_new_tokens,
             sampling=pb.SamplingParams(),
-        )  # fmt: skip
+        )
         return await _within_rate(lambda: self.stub.OpenSession(request, timeout=600))
 
     async def verify(self, session_id: str, drafts: list[int], num_generated: int) -> pb.VerifyResponse:
@@ -122,10 +124,12 @@ class _Tally:
     def rates(self) -> dict:
         seconds = time.perf_counter() - self.started
         return {
-            "seconds": round(seconds, 2), "rounds_per_s": self.rounds / seconds,
-            "committed_per_s": self.committed / seconds, "verified_per_s": self.verified / seconds,
+            "seconds": round(seconds, 2),
+            "rounds_per_s": self.rounds / seconds,
+            "committed_per_s": self.committed / seconds,
+            "verified_per_s": self.verified / seconds,
             "cut_nodes": self.cut,
-        }  # fmt: skip
+        }
 
 
 class _Heavy:
@@ -281,9 +285,21 @@ def run_neighbours(config: NeighboursConfig, progress: Callable[[str], None] = p
         token_file.chmod(0o600)
         for setting in config.settings:
             progress(f"neighbours: {setting} ...")
-            args = ["--model", config.target, "--device", config.device, "--auth-tokens", str(token_file),
-                    "--max-sessions", "8", "--max-sessions-per-identity", "4", "--max-rounds-per-second", "50",
-                    *SETTINGS[setting]]  # fmt: skip
+            args = [
+                "--model",
+                config.target,
+                "--device",
+                config.device,
+                "--auth-tokens",
+                str(token_file),
+                "--max-sessions",
+                "8",
+                "--max-sessions-per-identity",
+                "4",
+                "--max-rounds-per-second",
+                "50",
+                *SETTINGS[setting],
+            ]
             if setting == "fair" and config.step_tokens is not None:
                 args += ["--step-tokens", str(config.step_tokens)]
             with ServerProcess(args) as server:
@@ -312,9 +328,11 @@ def summary(results: dict) -> str:
         ("A's worst gap alone (ms)", lambda f: f["long_prefill"]["a_worst_gap_alone_ms"]),
         ("A's worst gap during B's prefill (ms)", lambda f: f["long_prefill"]["a_worst_gap_during_ms"]),
         ("step budget (tokens)", lambda f: f"{f['step']['budget_tokens']:.0f}"),
-        ("cost curve a + b * tokens (ms)", lambda f: f"{f['step']['fixed_s'] * 1e3:.1f} + "
-                                                     f"{f['step']['per_token_s'] * 1e3:.2f}"),
-    ]  # fmt: skip
+        (
+            "cost curve a + b * tokens (ms)",
+            lambda f: f"{f['step']['fixed_s'] * 1e3:.1f} + {f['step']['per_token_s'] * 1e3:.2f}",
+        ),
+    ]
     lines = ["| | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(str(cell(f)) for f in settings.values()) + " |" for label, cell in rows]
     before, after = results["load_average_before"], results["load_average_after"]

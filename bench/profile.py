@@ -93,16 +93,24 @@ def record_profile(config: ProfileConfig, progress: bool = True) -> AcceptancePr
         rows = [m for m in measured if category in (ALL, m["category"])]
         categories[category] = _category_profile(rows, config.num_draft)
     profile = AcceptanceProfile(
-        draft=config.draft, target=config.target, categories=categories,
-        draft_s_per_call=s_per_call, draft_s_per_token=s_per_token,
+        draft=config.draft,
+        target=config.target,
+        categories=categories,
+        draft_s_per_call=s_per_call,
+        draft_s_per_token=s_per_token,
         meta={
             "recorded_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "num_draft": config.num_draft, "max_tokens": config.max_tokens, "cpus": os.cpu_count(),
-            "load_average_before": load_before, "load_average_after": os.getloadavg(),
-            "prompts": [{k: m[k] for k in ("id", "category", "prompt_tokens", "output_tokens", "acceptance_rate")}
-                        for m in measured],
+            "num_draft": config.num_draft,
+            "max_tokens": config.max_tokens,
+            "cpus": os.cpu_count(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "prompts": [
+                {k: m[k] for k in ("id", "category", "prompt_tokens", "output_tokens", "acceptance_rate")}
+                for m in measured
+            ],
         },
-    )  # fmt: skip
+    )
     if config.write_sizes:
         _write_sizes(config.prompts_file or PROMPTS_FILE, measured)
     partial.unlink(missing_ok=True)
@@ -115,7 +123,12 @@ async def _answer_all(config: ProfileConfig, server: ServerProcess, tokenizer, p
         num_draft=config.num_draft, max_new_tokens=config.max_tokens, proactive=False, follow_advice=False
     )
     partial = config.out_path.with_suffix(".partial.json")
-    key = {"target": config.target, "draft": config.draft, "num_draft": config.num_draft, "max_tokens": config.max_tokens}
+    key = {
+        "target": config.target,
+        "draft": config.draft,
+        "num_draft": config.num_draft,
+        "max_tokens": config.max_tokens,
+    }
     done = _load_partial(partial, key)
     todo = [p for p in prompts if p.id not in done]
     async with EdgeClient(server.address, tokenizer.fingerprint) as client:
@@ -126,11 +139,15 @@ async def _answer_all(config: ProfileConfig, server: ServerProcess, tokenizer, p
             result = await generate(client, ids, drafter, policy=policy)
             delta = (await asyncio.to_thread(server.scrape)) - before
             done[prompt.id] = {
-                "id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),
-                "output_tokens": len(result.token_ids), "acceptance_rate": round(result.stats.acceptance_rate, 4),
-                "drafts": delta.values["drafts"], "accepted_per_pos": delta.accepted_per_pos,
+                "id": prompt.id,
+                "category": prompt.category,
+                "prompt_tokens": len(ids),
+                "output_tokens": len(result.token_ids),
+                "acceptance_rate": round(result.stats.acceptance_rate, 4),
+                "drafts": delta.values["drafts"],
+                "accepted_per_pos": delta.accepted_per_pos,
                 "runner_up": _runner_up_outcomes(len(ids), result.token_ids, drafter.calls),
-            }  # fmt: skip
+            }
             partial.parent.mkdir(parents=True, exist_ok=True)
             partial.write_text(json.dumps({"key": key, "done": done}))
     return [done[p.id] for p in prompts], partial

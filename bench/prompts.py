@@ -30,16 +30,23 @@ def load_prompts(path: str | pathlib.Path | None = None, categories: Sequence[st
     try:
         raw = json.loads(path.read_text())["prompts"]
         prompts = [
-            Prompt(p["id"], p["category"], tuple(p["messages"]), p.get("prompt_tokens", 0),
-                   p.get("expected_output_tokens", 0))
+            Prompt(
+                p["id"],
+                p["category"],
+                tuple(p["messages"]),
+                p.get("prompt_tokens", 0),
+                p.get("expected_output_tokens", 0),
+            )
             for p in raw
-        ]  # fmt: skip
+        ]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"cannot read prompts from {path}: {exc}") from None
     if categories:
         unknown = set(categories) - {p.category for p in prompts}
         if unknown:
-            raise ValueError(f"no prompts in categories {sorted(unknown)}; the set has {sorted({p.category for p in prompts})}")
+            raise ValueError(
+                f"no prompts in categories {sorted(unknown)}; the set has {sorted({p.category for p in prompts})}"
+            )
         prompts = [p for p in prompts if p.category in categories]
     return prompts
 
@@ -66,6 +73,6 @@ def interleave(prompts: Sequence[Prompt]) -> list[Prompt]:
 def assignment(num_prompts: int, num_edges: int, requests_per_edge: int) -> list[list[int]]:
     """Prompt indices each edge asks, in order: edge e's r-th request is prompt (e + r * N) mod P.
 
-        P = 6, N = 4, 2 requests each:  [[0, 4], [1, 5], [2, 0], [3, 1]]
+    P = 6, N = 4, 2 requests each:  [[0, 4], [1, 5], [2, 0], [3, 1]]
     """
     return [[(e + r * num_edges) % num_prompts for r in range(requests_per_edge)] for e in range(num_edges)]

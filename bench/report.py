@@ -91,17 +91,25 @@ def summary_markdown(results: dict) -> str:
         )
     categories = sorted({c for r in records for c in r["acceptance_per_category"]})
     if categories:
-        lines += ["", "## Acceptance per prompt category (edge-drafted modes)", "",
-                  "| mode | N | RTT ms | " + " | ".join(categories) + " |", "|---|---|---|" + "---|" * len(categories)]  # fmt: skip
+        lines += [
+            "",
+            "## Acceptance per prompt category (edge-drafted modes)",
+            "",
+            "| mode | N | RTT ms | " + " | ".join(categories) + " |",
+            "|---|---|---|" + "---|" * len(categories),
+        ]
         for r in records:
             if r["acceptance_per_category"]:
                 cells = [_fmt(r["acceptance_per_category"].get(c)) for c in categories]
                 lines.append(f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | " + " | ".join(cells) + " |")
     if meta.get("profile"):
         profile = meta["profile"]
-        lines += ["", f"Simulated edges replay `{profile['path']}` ({profile['draft']} -> {profile['target']}); "
-                  f"draft latency {profile['draft_s_per_call'] * 1e3:.1f} ms per call + "
-                  f"{profile['draft_s_per_token'] * 1e3:.1f} ms per token."]  # fmt: skip
+        lines += [
+            "",
+            f"Simulated edges replay `{profile['path']}` ({profile['draft']} -> {profile['target']}); "
+            f"draft latency {profile['draft_s_per_call'] * 1e3:.1f} ms per call + "
+            f"{profile['draft_s_per_token'] * 1e3:.1f} ms per token.",
+        ]
     if meta.get("cost_curve"):
         points = ", ".join(f"{t:.0f}: {sec * 1e3:.0f}" for t, sec in meta["cost_curve"])
         lines += ["", f"The server's forward cost, measured in this run (tokens per step: ms): {points}."]
@@ -134,8 +142,9 @@ def plot(records: Sequence[dict], path: pathlib.Path) -> None:
             rows = [r for r in records if r["mode"] == mode and r["rtt_ms"] == rtt]
             ns = [r["num_edges"] for r in rows]
             style = styles[rtt_index % len(styles)]
-            throughput.plot(ns, [r["throughput_tok_s"] for r in rows], style, marker="o", color=color,
-                            label=f"{mode}, {rtt:g} ms")  # fmt: skip
+            throughput.plot(
+                ns, [r["throughput_tok_s"] for r in rows], style, marker="o", color=color, label=f"{mode}, {rtt:g} ms"
+            )
             ratios = [(r["num_edges"], r["vs_ar"]) for r in rows if r.get("vs_ar") and mode != "ar"]
             if ratios:
                 measured = [x["throughput_x"] for _, x in ratios]
@@ -149,14 +158,21 @@ def plot(records: Sequence[dict], path: pathlib.Path) -> None:
                 itl.plot(ns, [r["itl_p50_ms"] for r in rows], "-", marker="o", color=color, label=f"{mode} p50")
                 itl.plot(ns, [r["itl_p95_ms"] for r in rows], ":", marker="x", color=color, label=f"{mode} p95")
             if any(r["proactive_hit_rate"] is not None for r in rows):
-                hits.plot(ns, [r["proactive_hit_rate"] for r in rows], style, marker="o", color=color,
-                          label=f"{mode}, {rtt:g} ms")  # fmt: skip
+                hits.plot(
+                    ns,
+                    [r["proactive_hit_rate"] for r in rows],
+                    style,
+                    marker="o",
+                    color=color,
+                    label=f"{mode}, {rtt:g} ms",
+                )
     throughput.set(title="Decode throughput", xlabel="concurrent edges N", ylabel="tokens / second (steady window)")
     ratio.set(title="Throughput against AR, measured and ideal", xlabel="concurrent edges N", ylabel="x AR")
     ratio.axhline(1.0, color="grey", linewidth=0.8)
     itl.set(title=f"Inter-token latency at {rtts[-1]:g} ms RTT", xlabel="concurrent edges N", ylabel="ms")
-    hits.set(title="Proactive hit rate", xlabel="concurrent edges N", ylabel="rounds whose next draft was ready",
-             ylim=(0, 1))  # fmt: skip
+    hits.set(
+        title="Proactive hit rate", xlabel="concurrent edges N", ylabel="rounds whose next draft was ready", ylim=(0, 1)
+    )
     if not hits.get_legend_handles_labels()[0]:
         hits.text(0.5, 0.5, "no specedge_proactive cells in this run", ha="center", transform=hits.transAxes)
     _category_bars(categories, records)
@@ -180,7 +196,9 @@ def _category_bars(ax, records: Sequence[dict]) -> None:
     width = 0.8 / max(1, len(per_mode))
     for i, (mode, by_category) in enumerate(per_mode.items()):
         values = [sum(by_category.get(c, [0])) / len(by_category.get(c, [0])) for c in categories]
-        ax.bar([x + i * width for x in range(len(categories))], values, width, label=mode, color=f"C{MODES.index(mode)}")
+        ax.bar(
+            [x + i * width for x in range(len(categories))], values, width, label=mode, color=f"C{MODES.index(mode)}"
+        )
     ax.set_xticks([x + width * (len(per_mode) - 1) / 2 for x in range(len(categories))], categories, rotation=20)
     ax.set(title="Acceptance per prompt category", ylabel="accepted / drafted tokens", ylim=(0, 1))
     if per_mode:

@@ -1,15 +1,15 @@
 """A whole benchmark run: one server, a reference pass, then every (RTT, N, mode) cell back to back.
 
-    start specedge-server (target, --draft-model for server_spec, --metrics-port)
-    reference pass: the server answers every prompt alone (warms it up; gives
-        simulated edges the target's answers, and every cell an identity check)
-    edges: real drafters, or simulated ones built from the references + profile
-    warm-up: one unmeasured request per mode
-    for each RTT, each N, each mode (modes back to back, so load noise hits all
-        alike), each repeat: run the cell, every edge a stream of requests, their
-        starts staggered; counters from /metrics before and after
-    the server's measured cost curve, for the best ratio this machine allows
-        (bench/ideal.py)
+start specedge-server (target, --draft-model for server_spec, --metrics-port)
+reference pass: the server answers every prompt alone (warms it up; gives
+    simulated edges the target's answers, and every cell an identity check)
+edges: real drafters, or simulated ones built from the references + profile
+warm-up: one unmeasured request per mode
+for each RTT, each N, each mode (modes back to back, so load noise hits all
+    alike), each repeat: run the cell, every edge a stream of requests, their
+    starts staggered; counters from /metrics before and after
+the server's measured cost curve, for the best ratio this machine allows
+    (bench/ideal.py)
 """
 
 from __future__ import annotations
@@ -41,8 +41,20 @@ WARMUP_TOKENS = 8  # a warm-up request exercises each path; its length does not 
 
 
 def server_args(config: BenchConfig) -> list[str]:
-    args = ["--model", config.target, "--max-sessions", str(config.max_sessions + 1),
-            "--max-context", str(config.max_context), "--device", config.device, "--dtype", config.dtype, "--tp", str(config.tp)]  # fmt: skip
+    args = [
+        "--model",
+        config.target,
+        "--max-sessions",
+        str(config.max_sessions + 1),
+        "--max-context",
+        str(config.max_context),
+        "--device",
+        config.device,
+        "--dtype",
+        config.dtype,
+        "--tp",
+        str(config.tp),
+    ]
     if "server_spec" in config.modes:
         args += ["--draft-model", config.server_draft_model]
     return args + list(config.server_extra)
@@ -56,7 +68,9 @@ def load_jobs(config: BenchConfig, tokenizer) -> list[Job]:
     ]
 
 
-def run_benchmark(config: BenchConfig, progress: bool = True, checkpoint: Callable[[dict], object] | None = None) -> dict:
+def run_benchmark(
+    config: BenchConfig, progress: bool = True, checkpoint: Callable[[dict], object] | None = None
+) -> dict:
     """Measure every cell; `checkpoint` gets the results so far after each cell (a long run keeps its data)."""
     from specedge.edge_client.tokenizer import load_tokenizer
     from specedge.registry import resolve
@@ -100,12 +114,11 @@ def _results(config: BenchConfig, meta: dict, jobs: list[Job], raw, references, 
     }
 
 
-async def _measure(config: BenchConfig, server: ServerProcess, fingerprint, jobs: list[Job], profile, progress: bool,
-                   on_cell=None):  # fmt: skip
+async def _measure(
+    config: BenchConfig, server: ServerProcess, fingerprint, jobs: list[Job], profile, progress: bool, on_cell=None
+):
     """Everything in one event loop (grpc.aio dislikes a new loop per run)."""
-    cells = [
-        Cell(mode, n, rtt) for rtt in config.rtt_ms for n in config.num_edges for mode in config.modes
-    ]
+    cells = [Cell(mode, n, rtt) for rtt in config.rtt_ms for n in config.num_edges for mode in config.modes]
     total = sum(config.requests_for(c.num_edges, len(jobs)) * c.num_edges for c in cells) * config.repeats
     bar = tqdm(total=len(jobs) + total, desc="reference pass", unit="answer", disable=not progress, file=sys.stderr)
     references, answer_s = await _reference_pass(config, server.address, fingerprint, jobs, bar.update)

@@ -108,9 +108,13 @@ class AcceptanceProfile:
             for name, c in data["categories"].items()
         }
         return cls(
-            data["draft"], data["target"], categories, data.get("draft_s_per_call", 0.0),
-            data.get("draft_s_per_token", 0.0), data.get("meta", {}),
-        )  # fmt: skip
+            data["draft"],
+            data["target"],
+            categories,
+            data.get("draft_s_per_call", 0.0),
+            data.get("draft_s_per_token", 0.0),
+            data.get("meta", {}),
+        )
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> AcceptanceProfile:
@@ -132,9 +136,7 @@ class AnswerScript:
     runner_up_share: float  # of a draft's rejected probability mass, what its runner-up reports
 
 
-def make_script(
-    prompt: Sequence[int], reference: Sequence[int], profile: CategoryProfile, seed: int
-) -> AnswerScript:
+def make_script(prompt: Sequence[int], reference: Sequence[int], profile: CategoryProfile, seed: int) -> AnswerScript:
     rng = random.Random(seed)
     # The first token comes from the server's prefill, never from a draft: like
     # a bonus token after a rejection, drafting starts after it at run length 0.
@@ -149,7 +151,11 @@ def make_script(
         run = run + 1 if ok else 0
     n = len(reference)
     return AnswerScript(
-        tuple(prompt), tuple(reference), tuple(correct[:n]), tuple(runner_up[:n]), tuple(confidence[:n]),
+        tuple(prompt),
+        tuple(reference),
+        tuple(correct[:n]),
+        tuple(runner_up[:n]),
+        tuple(confidence[:n]),
         profile.runner_up_hit,
     )
 

@@ -20,7 +20,19 @@ import sys
 
 from .cli import bench_config, guarded, parse_args
 
-DEFAULTS = ["--modes", "ar", "specedge", "--num-edges", "4", "--rtt-ms", "0", "--max-prompts", "8", "--max-tokens", "48"]
+DEFAULTS = [
+    "--modes",
+    "ar",
+    "specedge",
+    "--num-edges",
+    "4",
+    "--rtt-ms",
+    "0",
+    "--max-prompts",
+    "8",
+    "--max-tokens",
+    "48",
+]
 
 
 def main(argv: list[str] | None = None) -> int:

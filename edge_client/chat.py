@@ -55,8 +55,12 @@ async def chat(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
     loop.add_signal_handler(signal.SIGINT, on_interrupt)
     try:
         await runtime.start()
-        print(f"specedge chat with {runtime.model_name} via {runtime.client.address}; Ctrl-C stops an answer, Ctrl-D exits",
-              file=err, flush=True)  # fmt: skip
+        print(
+            f"specedge chat with {runtime.model_name} via {runtime.client.address}; "
+            "Ctrl-C stops an answer, Ctrl-D exits",
+            file=err,
+            flush=True,
+        )
         lines = _Lines(loop)
         history: list[dict[str, str]] = []
         conversation = Conversation()

@@ -1,8 +1,8 @@
 """`specedge-edge`: draft on this machine, let a SpecEdge server verify.
 
-    specedge-edge --prompt "..."     one answer, streamed to stdout
-    specedge-edge                    a multi-turn chat in the terminal
-    specedge-edge serve              an OpenAI-compatible API on localhost
+specedge-edge --prompt "..."     one answer, streamed to stdout
+specedge-edge                    a multi-turn chat in the terminal
+specedge-edge serve              an OpenAI-compatible API on localhost
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 def add_edge_options(parser: argparse.ArgumentParser) -> None:
     """The options every mode shares: where the server is, what drafts, how."""
     parser.add_argument(
-        "--server", default=None,
+        "--server",
+        default=None,
         help=f"HOST:PORT of specedge-server (default {DEFAULT_SERVER}); with --discover, the fallback",
-    )  # fmt: skip
+    )
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="built-in name, .gguf file or HF directory")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 128; 1024 in chat)")
     parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (chains)")
@@ -41,7 +42,9 @@ def add_edge_options(parser: argparse.ArgumentParser) -> None:
         help="draft ahead while the server verifies (default: on, except with a server on this machine, whose "
         "verify forward it would slow down: README, 'One box')",
     )
-    parser.add_argument("--no-fallback", action="store_true", help="keep drafting even when it is slower than the server")
+    parser.add_argument(
+        "--no-fallback", action="store_true", help="keep drafting even when it is slower than the server"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -60,7 +63,9 @@ def add_edge_options(parser: argparse.ArgumentParser) -> None:
     add_broker_options(parser)
     security = parser.add_argument_group("security (see SECURITY.md)")
     security.add_argument("--token", default=None, help="bearer token from the server's operator (or $SPECEDGE_TOKEN)")
-    security.add_argument("--tls-ca", default=None, help="PEM CA that signed the server's certificate: connect with TLS")
+    security.add_argument(
+        "--tls-ca", default=None, help="PEM CA that signed the server's certificate: connect with TLS"
+    )
     security.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs (no --tls-ca)")
     security.add_argument("--tls-cert", default=None, help="PEM client certificate, for servers requiring mutual TLS")
     security.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -69,7 +74,9 @@ def add_edge_options(parser: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        parser = argparse.ArgumentParser(prog="specedge-edge serve", description="An OpenAI-compatible API on this machine.")
+        parser = argparse.ArgumentParser(
+            prog="specedge-edge serve", description="An OpenAI-compatible API on this machine."
+        )
         add_edge_options(parser)
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
@@ -127,7 +134,9 @@ def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
         from specedge.fleet.broker import broker_from_args
         from specedge.fleet.discovery import DiscoveryConfig
 
-        discovery = DiscoveryConfig(broker_from_args(args.discover, args), edge_id=args.edge_id, telemetry=args.telemetry)
+        discovery = DiscoveryConfig(
+            broker_from_args(args.discover, args), edge_id=args.edge_id, telemetry=args.telemetry
+        )
     elif args.telemetry:
         raise ValueError("--telemetry publishes to the fleet broker: give it with --discover mqtt://HOST:PORT")
     return RuntimeConfig(

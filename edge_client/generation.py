@@ -301,9 +301,7 @@ class Generation:
         keep = min(_common_prefix(conversation.tokens, prompt), len(prompt) - 1)  # run >= 1 token, for logits
         if keep > 0:
             try:
-                return await self.client.continue_session(
-                    session_id, keep, prompt[keep:], remaining, *self._sampling()
-                )
+                return await self.client.continue_session(session_id, keep, prompt[keep:], remaining, *self._sampling())
             except SessionGone:  # expired while the user was typing: start over with the whole history
                 conversation.reset()
                 return None

@@ -98,9 +98,14 @@ class EdgeAPIServer:
         self.api = EdgeAPI(self.runtime, config, err)
         self.config, self.err = config, err
         self.http = uvicorn.Server(
-            uvicorn.Config(create_app(self.api), host=config.host, port=config.port, log_level=config.log_level.lower(),
-                           timeout_graceful_shutdown=5)
-        )  # fmt: skip
+            uvicorn.Config(
+                create_app(self.api),
+                host=config.host,
+                port=config.port,
+                log_level=config.log_level.lower(),
+                timeout_graceful_shutdown=5,
+            )
+        )
         self._fatal: BaseException | None = None
         self._socket: socket.socket | None = None
 
@@ -143,8 +148,11 @@ class EdgeAPIServer:
     async def _start(self) -> None:
         while not self.http.started:
             await asyncio.sleep(0.02)
-        print(f"specedge-edge serve: OpenAI-compatible API on http://{self.config.host}:{self.port}/v1",
-              file=self.err, flush=True)  # fmt: skip
+        print(
+            f"specedge-edge serve: OpenAI-compatible API on http://{self.config.host}:{self.port}/v1",
+            file=self.err,
+            flush=True,
+        )
         try:
             await self.api.start()
         except Exception as exc:  # noqa: BLE001 (re-raised by run() once the HTTP server has stopped)
@@ -170,4 +178,3 @@ def serve(args) -> int:
     config = ServeConfig(host=args.host, port=args.port, default_max_tokens=args.max_tokens, log_level=args.log_level)
     asyncio.run(EdgeAPIServer(runtime_config(args), config).run())
     return 0
-

@@ -114,9 +114,11 @@ class EdgeAPI:
         self.require_ready()
         if name not in (self.runtime.model_name, self.runtime.config.draft):
             raise APIError(
-                404, f"The model `{name}` does not exist; this server serves `{self.runtime.model_name}`",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.runtime.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
 
     def policy(self, request: GenerationRequest, num_prompt_tokens: int, param: str) -> SpeculationPolicy:
         """The runtime's policy with this request's sampling and length."""
@@ -128,9 +130,12 @@ class EdgeAPI:
             raise APIError(400, f"{param}: the prompt is empty", param=param)
         if num_prompt_tokens >= max_context:
             raise APIError(
-                400, f"{param}: the prompt has {num_prompt_tokens} tokens; the server's context holds {max_context} "
-                "(prompt and answer together)", param=param, code="context_length_exceeded",
-            )  # fmt: skip
+                400,
+                f"{param}: the prompt has {num_prompt_tokens} tokens; the server's context holds {max_context} "
+                "(prompt and answer together)",
+                param=param,
+                code="context_length_exceeded",
+            )
         base = self.runtime.config.policy
         sampling = SamplingParams(
             temperature=_given(request.temperature, base.sampling.temperature),
@@ -161,8 +166,11 @@ class EdgeAPI:
     async def respond(self, http: Request, request: GenerationRequest, prompt: list[int], shape: Shape) -> Response:
         """One answer, as one JSON completion or as an SSE stream of chunks."""
         policy = self.policy(request, len(prompt), shape.prompt_param)
-        head = {"id": f"{shape.id_prefix}-{secrets.token_hex(12)}", "created": int(time.time()),
-                "model": self.runtime.model_name}  # fmt: skip
+        head = {
+            "id": f"{shape.id_prefix}-{secrets.token_hex(12)}",
+            "created": int(time.time()),
+            "model": self.runtime.model_name,
+        }
         pieces: asyncio.Queue[str | None] = asyncio.Queue()  # each burst's text; None once the answer is over
         work = asyncio.ensure_future(answer(self.runtime, prompt, policy, request.stops, pieces.put_nowait))
         work.add_done_callback(lambda _: pieces.put_nowait(None))

@@ -64,7 +64,9 @@ def guess_outcomes(draft: DraftChain, max_guesses: int) -> list[Guess]:
     prefix_prob = 1.0
     for position, prob in enumerate(draft.probs):
         if position < len(draft.runner_up_ids):  # cut here: the target picks the draft's second choice
-            guesses.append(Guess(position, draft.runner_up_ids[position], prefix_prob * draft.runner_up_probs[position]))
+            guesses.append(
+                Guess(position, draft.runner_up_ids[position], prefix_prob * draft.runner_up_probs[position])
+            )
         prefix_prob *= prob
     guesses.append(Guess(len(draft.token_ids), None, prefix_prob))
     guesses.sort(key=lambda guess: -guess.prob)
@@ -92,7 +94,9 @@ class DepthEstimator:
     def observe_draft(self, seconds: float, num_tokens: int) -> None:
         if num_tokens:
             per_token = seconds / num_tokens
-            self.token_s = per_token if self.token_s is None else self.token_s + self.smoothing * (per_token - self.token_s)
+            self.token_s = (
+                per_token if self.token_s is None else self.token_s + self.smoothing * (per_token - self.token_s)
+            )
 
     def tokens_per_wait(self, cap: int) -> int:
         """At least 1 (nothing measured yet, or a fast wait still hides one token), at most `cap`."""

@@ -180,15 +180,17 @@ class EdgeRuntime:
         policy = policy or self.config.policy
         await self.client.ensure_connected()  # the server was left (draining, offline): start elsewhere
         if not self._all_drafters:
-            result = await generate(self.client, prompt, None, on_tokens, policy=policy, conversation=conversation,
-                                    stats=stats)  # fmt: skip
+            result = await generate(
+                self.client, prompt, None, on_tokens, policy=policy, conversation=conversation, stats=stats
+            )
             if self.draft_unavailable and not self.config.server_only:
                 result.stats.fallback = self.draft_unavailable
         else:
             drafter = await self._drafters.get()
             try:
-                result = await generate(self.client, prompt, drafter, on_tokens, policy=policy,
-                                        conversation=conversation, stats=stats)  # fmt: skip
+                result = await generate(
+                    self.client, prompt, drafter, on_tokens, policy=policy, conversation=conversation, stats=stats
+                )
             finally:
                 self._drafters.put_nowait(drafter)
         if self.router is not None:

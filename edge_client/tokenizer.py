@@ -123,9 +123,10 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         # transformers 5 returns a BatchEncoding when tokenize=True (its hint lists every call's return type).
-        encoding = cast("BatchEncoding", self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        ))  # fmt: skip
+        encoding = cast(
+            "BatchEncoding",
+            self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True),
+        )
         return list(encoding["input_ids"])
 
     def encode(self, text: str) -> list[int]:

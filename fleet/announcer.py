@@ -92,9 +92,16 @@ class Announcer:
     def _status(self, health: str, reason: str, load: ServerLoad) -> ServerStatus:
         facts = self.facts
         return ServerStatus(
-            facts.server_id, health, facts.address, facts.model, facts.tokenizer, facts.version, load,
-            self.config.period_s, reason,
-        )  # fmt: skip
+            facts.server_id,
+            health,
+            facts.address,
+            facts.model,
+            facts.tokenizer,
+            facts.version,
+            load,
+            self.config.period_s,
+            reason,
+        )
 
     async def start(self) -> None:
         will = (self.topic, self.offline_status().to_json())

@@ -138,9 +138,10 @@ def add_broker_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fleet broker (MQTT)")
     group.add_argument("--mqtt-username", default=None)
     group.add_argument(
-        "--mqtt-password", default=os.environ.get(PASSWORD_ENV),
+        "--mqtt-password",
+        default=os.environ.get(PASSWORD_ENV),
         help=f"default: ${PASSWORD_ENV} (prefer it: a flag shows in the process list)",
-    )  # fmt: skip
+    )
     group.add_argument("--mqtt-tls-ca", default=None, help="CA file of the broker's certificate (turns TLS on)")
     group.add_argument("--mqtt-tls-cert", default=None, help="client certificate, if the broker asks for one")
     group.add_argument("--mqtt-tls-key", default=None)

@@ -1,10 +1,10 @@
 """`specedge-fleet`: the operator's view of a SpecEdge fleet, from its MQTT broker.
 
-    specedge-fleet --mqtt mqtt://HOST:PORT             a live table of servers and edges (Ctrl-C quits)
-    specedge-fleet --mqtt ... --once [--json]          one snapshot, as a table or JSON
-    specedge-fleet drain SERVER_ID [--reason TEXT]     the server admits no new sessions; running ones
-                                                       finish, or move when their edges discover elsewhere
-    specedge-fleet undrain SERVER_ID                   it admits sessions again
+specedge-fleet --mqtt mqtt://HOST:PORT             a live table of servers and edges (Ctrl-C quits)
+specedge-fleet --mqtt ... --once [--json]          one snapshot, as a table or JSON
+specedge-fleet drain SERVER_ID [--reason TEXT]     the server admits no new sessions; running ones
+                                                   finish, or move when their edges discover elsewhere
+specedge-fleet undrain SERVER_ID                   it admits sessions again
 """
 
 from __future__ import annotations
@@ -125,22 +125,44 @@ def render(view: FleetView, title: str = ""):
         health = status.health if view.is_live(server_id) or status.health == OFFLINE else f"{status.health}, silent"
         style = {SERVING: "green", DRAINING: "yellow"}.get(status.health, "red")
         servers.add_row(
-            server_id, f"[{style}]{health}[/]", status.address, status.model,
-            f"{load.active_sessions}/{load.max_sessions}", str(load.free_kv_slots), f"{load.queue_wait_ms:.1f}",
-            str(load.advised_draft_tokens), status.version, f"{now - seen.received_at:.0f} s ago",
-        )  # fmt: skip
+            server_id,
+            f"[{style}]{health}[/]",
+            status.address,
+            status.model,
+            f"{load.active_sessions}/{load.max_sessions}",
+            str(load.free_kv_slots),
+            f"{load.queue_wait_ms:.1f}",
+            str(load.advised_draft_tokens),
+            status.version,
+            f"{now - seen.received_at:.0f} s ago",
+        )
     edges = Table(title="edges (telemetry)", title_justify="left")
-    edge_numbers = ("answers", "tokens", "acceptance", "draft tok/s", "RTT ms", "proactive hits", "fallbacks", "resumes")
+    edge_numbers = (
+        "answers",
+        "tokens",
+        "acceptance",
+        "draft tok/s",
+        "RTT ms",
+        "proactive hits",
+        "fallbacks",
+        "resumes",
+    )
     for column in ("edge", "server", *edge_numbers):
         edges.add_column(column, justify="right" if column in edge_numbers else "left")
     for edge_id, telemetry in sorted(view.edges.items()):
         stats = telemetry.message
         edges.add_row(
-            edge_id, stats.server_id or "(fallback)", str(stats.answers), str(stats.tokens),
-            f"{stats.acceptance_rate:.0%}", f"{stats.draft_tokens_per_s:.1f}", f"{stats.rtt_ms:.1f}",
+            edge_id,
+            stats.server_id or "(fallback)",
+            str(stats.answers),
+            str(stats.tokens),
+            f"{stats.acceptance_rate:.0%}",
+            f"{stats.draft_tokens_per_s:.1f}",
+            f"{stats.rtt_ms:.1f}",
             f"{stats.proactive_hit_rate:.0%}",
-            str(stats.fallbacks), str(stats.resumes),
-        )  # fmt: skip
+            str(stats.fallbacks),
+            str(stats.resumes),
+        )
     return Group(servers, edges)
 
 
@@ -153,10 +175,12 @@ def as_json(view: FleetView) -> str:
             extra["live"] = view.is_live(server_id)
         return {**dataclasses.asdict(seen.message), **extra}
 
-    return json.dumps({
-        "servers": {key: entry(key, seen) for key, seen in sorted(view.servers.items())},
-        "edges": {key: entry(None, seen) for key, seen in sorted(view.edges.items())},
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "servers": {key: entry(key, seen) for key, seen in sorted(view.servers.items())},
+            "edges": {key: entry(None, seen) for key, seen in sorted(view.edges.items())},
+        }
+    )
 
 
 async def live(broker: BrokerConfig) -> None:
@@ -225,8 +249,10 @@ async def _main(args: argparse.Namespace) -> int:
     except broker_errors() as exc:
         raise FleetError(f"cannot reach the broker at {broker.url}: {exc}") from None
     if status.health == DRAINING:
-        print(f"server {status.server_id} is draining: {status.load.active_sessions} sessions still running; "
-              "new sessions go elsewhere")  # fmt: skip
+        print(
+            f"server {status.server_id} is draining: {status.load.active_sessions} sessions still running; "
+            "new sessions go elsewhere"
+        )
     else:
         print(f"server {status.server_id} is serving again")
     return 0

@@ -62,10 +62,14 @@ class FleetRouter:
         will = (stats_topic, b"") if self.config.telemetry else None  # an edge that vanishes clears its stats
         self._task = asyncio.create_task(
             stay_connected(
-                self.config.broker, f"specedge-edge-{self.edge_id}", self._session,
-                what=f"edge {self.edge_id}", will=will, on_down=self._down,
+                self.config.broker,
+                f"specedge-edge-{self.edge_id}",
+                self._session,
+                what=f"edge {self.edge_id}",
+                will=will,
+                on_down=self._down,
             )
-        )  # fmt: skip
+        )
 
     async def close(self) -> None:
         if self._mqtt is not None and self.config.telemetry:

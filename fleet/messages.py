@@ -168,9 +168,11 @@ def _int(data: dict, key: str, high: int = MAX_COUNT, *, low: int = 0) -> int:
 def _float(data: dict, key: str, high: float) -> float:
     value = data.get(key)
     if (
-        not isinstance(value, int | float) or isinstance(value, bool)  # bool is an int subclass: refused too
-        or not math.isfinite(value) or not 0.0 <= value <= high
-    ):  # fmt: skip
+        not isinstance(value, int | float)
+        or isinstance(value, bool)  # bool is an int subclass: refused too
+        or not math.isfinite(value)
+        or not 0.0 <= value <= high
+    ):
         raise BadMessage(f"{key} must be a number in [0, {high:g}], got {_show(value)}")
     return float(value)
 

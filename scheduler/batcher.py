@@ -204,7 +204,9 @@ class Batcher:
             by_owner.setdefault(queued.owner, {})[queued.key] = queued.remaining
         budget = self.step_budget()
         if self.config.step_tokens is None:  # a fixed budget is the operator's cap; the knee is not
-            floor = self.config.max_batch_tokens if self.answering is False else len(by_owner) * self.config.round_tokens
+            floor = (
+                self.config.max_batch_tokens if self.answering is False else len(by_owner) * self.config.round_tokens
+            )
             budget = min(max(budget, floor), self.config.max_batch_tokens)
         owner_demands = {owner: sum(demands.values()) for owner, demands in by_owner.items()}
         owner_grants, self._identity_deficits = max_min_shares(owner_demands, budget, self._identity_deficits)

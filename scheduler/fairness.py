@@ -34,7 +34,7 @@ K = TypeVar("K", bound=Hashable)
 def water_level(demands: Mapping[K, float], budget: float) -> float:
     """The level L with sum(min(demand, L)) == budget; math.inf when every demand fits.
 
-        demands 1, 260, 10 and budget 32 -> L = 21 (1 + 21 + 10 = 32)
+    demands 1, 260, 10 and budget 32 -> L = 21 (1 + 21 + 10 = 32)
     """
     if sum(demands.values()) <= budget:
         return math.inf

@@ -113,7 +113,9 @@ def _race(row, top, block_max, temperature, floor, key, token_hash, override_ids
             t = (logit - top_logit) * scale + offset
             t = min(t if t > np.float32(-1.0) else np.float32(-1.0), np.float32(23.0))  # NaN -> -1
             y = np.uint32(_ONE - _uniform_top(key, token_hash[np.uintp(j)]))
-            candidates |= (logit >= floor) & (np.uint32(y >> (np.uint32(np.int32(t + np.float32(1.0))) & np.uint32(31))) == 0)
+            candidates |= (logit >= floor) & (
+                np.uint32(y >> (np.uint32(np.int32(t + np.float32(1.0))) & np.uint32(31))) == 0
+            )
         if not candidates:
             continue
         for j in range(start, stop):
@@ -135,9 +137,20 @@ def _race(row, top, block_max, temperature, floor, key, token_hash, override_ids
 
 @njit(parallel=True, cache=True)
 def argmax_and_race(
-    logits, rows, racing, temperature, floors, keys, token_hash, override_starts, override_ids, override_weights,
-    top, finite, winners,
-):  # fmt: skip
+    logits,
+    rows,
+    racing,
+    temperature,
+    floors,
+    keys,
+    token_hash,
+    override_starts,
+    override_ids,
+    override_weights,
+    top,
+    finite,
+    winners,
+):
     num_blocks = (logits.shape[1] + _BLOCK - 1) // _BLOCK
     for r in prange(rows.shape[0]):
         row = logits[rows[r]]
@@ -183,7 +196,19 @@ def warm_up() -> None:
     one = np.ones(1, np.float32)
     table = noise.token_hash(np.arange(8, dtype=np.int64)).astype(np.uint32)
     out = np.zeros(1, np.int64)
-    argmax_and_race(logits, out, np.ones(1, np.bool_), one, -np.inf * one, np.zeros(1, np.uint32), table,
-                    np.zeros(2, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), out.copy(),
-                    np.zeros(1, np.bool_), out.copy())  # fmt: skip
+    argmax_and_race(
+        logits,
+        out,
+        np.ones(1, np.bool_),
+        one,
+        -np.inf * one,
+        np.zeros(1, np.uint32),
+        table,
+        np.zeros(2, np.int64),
+        np.zeros(0, np.int64),
+        np.zeros(0, np.float32),
+        out.copy(),
+        np.zeros(1, np.bool_),
+        out.copy(),
+    )
     log_norms(logits, out, one, one, -np.inf * one, np.zeros(1))

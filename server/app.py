@@ -137,10 +137,14 @@ class SpecEdgeServer:
             model_dir = weights_dir(resolved)  # a GGUF is converted here, once, before any rank starts
             check_splittable(model_dir, config.parallel.tp)
             self.ranks = RankGroup.launch(
-                config.parallel, model_dir, device_type=device.type, dtype=dtype,
+                config.parallel,
+                model_dir,
+                device_type=device.type,
+                dtype=dtype,
                 matmul=resolve_matmul(config.matmul, device, dtype),
-                attention=resolve_attention(config.attention, device), on_failure=self._on_rank_failure,
-            )  # fmt: skip
+                attention=resolve_attention(config.attention, device),
+                on_failure=self._on_rank_failure,
+            )
         try:
             self._build(config, resolved, device, dtype, started)
         except BaseException:
@@ -159,14 +163,22 @@ class SpecEdgeServer:
         """Model(s), KV slots within the budget, runner, engine."""
         collectives = self.ranks.collectives if self.ranks is not None else None
         target = load_target(
-            resolved, device=device, dtype=dtype, collectives=collectives, matmul=config.matmul,
+            resolved,
+            device=device,
+            dtype=dtype,
+            collectives=collectives,
+            matmul=config.matmul,
             attention=config.attention,
-        )  # fmt: skip
+        )
         max_context = min(config.max_context or 4096, target.model.args.max_position_embeddings)
         draft = None
         if config.draft_model is not None:
             draft = load_target(
-                resolve(config.draft_model), device=device, dtype=dtype, matmul=config.matmul, attention=config.attention
+                resolve(config.draft_model),
+                device=device,
+                dtype=dtype,
+                matmul=config.matmul,
+                attention=config.attention,
             )
             try:
                 check_compatible(draft.fingerprint, target.fingerprint)
@@ -183,8 +195,11 @@ class SpecEdgeServer:
         if budget is not None and num_slots < config.engine.max_sessions:  # no budget: every slot asked for
             log.warning(
                 "KV budget of %.2f GiB holds %d of the %d sessions asked for; the rest are refused with "
-                "RESOURCE_EXHAUSTED", budget / 2**30, num_slots, config.engine.max_sessions,
-            )  # fmt: skip
+                "RESOURCE_EXHAUSTED",
+                budget / 2**30,
+                num_slots,
+                config.engine.max_sessions,
+            )
         engine_config = dataclasses.replace(config.engine, max_context=max_context, max_sessions=num_slots)
         largest_request = engine_config.request_limits(target.model.args.vocab_size).largest_request_bytes()
         if largest_request > config.transport.max_message_bytes:
@@ -195,10 +210,16 @@ class SpecEdgeServer:
         kv = KVCache(target.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
         log.info(
             "loaded %s on %s (%s, %s matrix products, %s attention) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
-            target.name, device, dtype, target.matmul, target.model.attention, time.monotonic() - started,
-            kv.num_slots, kv.max_len,
+            target.name,
+            device,
+            dtype,
+            target.matmul,
+            target.model.attention,
+            time.monotonic() - started,
+            kv.num_slots,
+            kv.max_len,
             bytes_per_slot * kv.num_slots / 2**30,
-        )  # fmt: skip
+        )
         self.stats = ServerStats(per_identity=config.metrics_per_identity)  # the engine reports; metrics.py exports
         self.stats.set_sessions(active=0, slots_used=0, slots_free=kv.num_slots)
         server_drafter = None

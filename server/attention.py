@@ -67,7 +67,11 @@ def flex_layout(
 
     width = 1 if tree_table is None else tree_table.shape[1]
     is_tree = torch.zeros_like(kv_slots, dtype=torch.bool) if tree_table is None else tree_table.any(dim=1)
-    table = tree_table if tree_table is not None else torch.zeros(kv_slots.shape[0], 1, dtype=torch.bool, device=kv_slots.device)
+    table = (
+        tree_table
+        if tree_table is not None
+        else torch.zeros(kv_slots.shape[0], 1, dtype=torch.bool, device=kv_slots.device)
+    )
 
     def mask_mod(b, h, q_idx, kv_idx):
         slot, pos = kv_idx // max_len, kv_idx % max_len
@@ -137,7 +141,11 @@ def _one_row(
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
-    folded = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
+    folded = (
+        q.view(num_new, num_kv_heads, group, head_dim)
+        .permute(1, 2, 0, 3)
+        .reshape(num_kv_heads, group * num_new, head_dim)
+    )
     if mask is not None:
         mask = mask.repeat(group, 1)  # [G * T, K], the same mask for every head of a group
     out = F.scaled_dot_product_attention(

@@ -1,7 +1,7 @@
 """`specedge-server`: serve a target model for edges to verify against.
 
-    specedge-server --model NAME [options]   serve
-    specedge-server make-token NAME          print a fresh token, then its line for the --auth-tokens file
+specedge-server --model NAME [options]   serve
+specedge-server make-token NAME          print a fresh token, then its line for the --auth-tokens file
 """
 
 from __future__ import annotations
@@ -32,55 +32,73 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: float32 on CPU, bfloat16 on CUDA. bfloat16 on a CPU with AVX512_BF16 halves the weight "
         "stream, but changes the target's numerics (its answers are then bfloat16's answers)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--matmul", default="auto", choices=["auto", "eager", "onednn"],
+        "--matmul",
+        default="auto",
+        choices=["auto", "eager", "onednn"],
         help="matrix products: auto (oneDNN-packed weights on CPU, several times faster than eager for the "
         "small batches of verify rounds), eager (torch's plain path), onednn",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--attention", default="auto", choices=["auto", "rows", "flex"],
+        "--attention",
+        default="auto",
+        choices=["auto", "rows", "flex"],
         help="attention: auto (one FlexAttention call per step on CUDA, one call per row on CPU), rows, flex",
-    )  # fmt: skip
+    )
     parser.add_argument("--max-sessions", type=int, default=8, help="KV slots, i.e. concurrent sessions")
     parser.add_argument("--max-context", type=int, default=None, help="tokens per session (default 4096)")
     parser.add_argument("--max-draft-tokens", type=int, default=64, help="draft nodes accepted per round")
     parser.add_argument(
-        "--draft-model", default=None,
+        "--draft-model",
+        default=None,
         help="a draft model on the server, for server-side speculative decoding (the baseline)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kv-cache-gb", type=float, default=None,
+        "--kv-cache-gb",
+        type=float,
+        default=None,
         help="KV memory budget; sessions beyond it get RESOURCE_EXHAUSTED (default: 90%% of free GPU memory, "
         "or half the available RAM)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--tp", type=int, default=None,
+        "--tp",
+        type=int,
+        default=None,
         help="tensor-parallel ranks: the target split across N processes (rank i on GPU i with --device cuda; "
         "gloo on CPU). Default 1, or torchrun's WORLD_SIZE under torchrun",
-    )  # fmt: skip
+    )
     parser.add_argument("--idle-timeout", type=float, default=600.0, help="seconds before an idle session is closed")
     shares = parser.add_argument_group("fair shares of a step (see SECURITY.md)")
     shares.add_argument(
-        "--step-tokens", type=int, default=None,
+        "--step-tokens",
+        type=int,
+        default=None,
         help="tokens one step carries, shared max-min across identities (default: the measured cost curve's knee)",
-    )  # fmt: skip
+    )
     shares.add_argument(
-        "--no-fair-shares", dest="fair_shares", action="store_false",
+        "--no-fair-shares",
+        dest="fair_shares",
+        action="store_false",
         help="take rounds in arrival order with no step budget (one identity can then slow every other)",
-    )  # fmt: skip
+    )
     security = parser.add_argument_group("security (see SECURITY.md)")
     security.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     security.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    security.add_argument("--tls-client-ca", default=None, help="PEM CA bundle: require edge certificates it signed (mTLS)")
+    security.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA bundle: require edge certificates it signed (mTLS)"
+    )
     security.add_argument("--auth-tokens", default=None, help="token file, lines NAME:SHA256HEX (see make-token)")
     security.add_argument(
-        "--insecure", action="store_true",
+        "--insecure",
+        action="store_true",
         help="allow plaintext on a non-loopback --host (only behind a trusted network or TLS proxy)",
-    )  # fmt: skip
+    )
     limits = parser.add_argument_group("limits (all reported to edges in the handshake)")
     limits.add_argument("--max-prompt-tokens", type=int, default=None, help="default: --max-context minus one")
     limits.add_argument("--max-draft-prob-tokens", type=int, default=256, help="entries per draft distribution")
@@ -90,19 +108,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     limits.add_argument("--max-message-bytes", type=int, default=1 << 20, help="largest request or reply")
     limits.add_argument("--max-concurrent-rpcs", type=int, default=1024, help="calls in progress, streams included")
     limits.add_argument(
-        "--max-attach-per-identity", type=int, default=DEFAULT_MAX_ATTACH_PER_IDENTITY,
+        "--max-attach-per-identity",
+        type=int,
+        default=DEFAULT_MAX_ATTACH_PER_IDENTITY,
         help="Attach streams (one per edge connection) open at once per identity",
-    )  # fmt: skip
+    )
     limits.add_argument(
-        "--idle-connection-timeout", type=float, default=600.0,
+        "--idle-connection-timeout",
+        type=float,
+        default=600.0,
         help="seconds before a connection with no call in progress is closed (0: never)",
-    )  # fmt: skip
+    )
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (default off)")
     parser.add_argument("--metrics-host", default=None, help="address for /metrics (default: --host)")
     parser.add_argument(
-        "--metrics-per-identity", action="store_true",
+        "--metrics-per-identity",
+        action="store_true",
         help="label verified tokens and cut draft nodes by identity in /metrics (identities may be sensitive)",
-    )  # fmt: skip
+    )
     parser.add_argument("--log-level", default="INFO")
     fleet = parser.add_argument_group("fleet control plane (needs the mqtt extra)")
     fleet.add_argument(
@@ -208,18 +231,28 @@ def _run_worker(args: argparse.Namespace, rank: int, world_size: int, local_rank
     from specedge.server.matmul import resolve_matmul
 
     config = ServerConfig(
-        model=args.model, device=args.device, dtype=args.dtype, matmul=args.matmul, attention=args.attention,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        matmul=args.matmul,
+        attention=args.attention,
         parallel=_parallel_config(args),
     )
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     spec = RankSpec(
-        rank=rank, world_size=world_size, local_rank=local_rank, model_dir=str(weights_dir(resolve(args.model))),
-        device_type=device.type, dtype=str(dtype).removeprefix("torch."),
-        matmul=resolve_matmul(config.matmul, device, dtype), attention=resolve_attention(config.attention, device),
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        model_dir=str(weights_dir(resolve(args.model))),
+        device_type=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+        matmul=resolve_matmul(config.matmul, device, dtype),
+        attention=resolve_attention(config.attention, device),
         store_port=None,
-        collective_timeout_s=config.parallel.collective_timeout_s, log_level=args.log_level.upper(),
-    )  # fmt: skip
+        collective_timeout_s=config.parallel.collective_timeout_s,
+        log_level=args.log_level.upper(),
+    )
     worker_main(spec)
 
 

@@ -23,7 +23,9 @@ class Malformed:
     error: str
 
     def __str__(self) -> str:
-        return f"the request is not a valid {self.message_type} ({self.error}); send a message built from specedge.proto"
+        return (
+            f"the request is not a valid {self.message_type} ({self.error}); send a message built from specedge.proto"
+        )
 
 
 class LenientDecoding(grpc.aio.ServerInterceptor):

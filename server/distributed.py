@@ -164,15 +164,26 @@ class RankGroup:
             _, world_size, local_rank = ranks
         else:
             store = dist.TCPStore(
-                "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                "127.0.0.1",
+                0,
+                world_size,
+                is_master=True,
+                wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=config.collective_timeout_s),
-            )  # fmt: skip
+            )
         spec = RankSpec(
-            rank=0, world_size=world_size, local_rank=local_rank, model_dir=str(model_dir), device_type=device_type,
-            dtype=str(dtype).removeprefix("torch."), matmul=matmul, attention=attention, store_port=None if store is None else store.port,
+            rank=0,
+            world_size=world_size,
+            local_rank=local_rank,
+            model_dir=str(model_dir),
+            device_type=device_type,
+            dtype=str(dtype).removeprefix("torch."),
+            matmul=matmul,
+            attention=attention,
+            store_port=None if store is None else store.port,
             collective_timeout_s=config.collective_timeout_s,
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-        )  # fmt: skip
+        )
         group = cls(spec, config, on_failure)
         if not config.torchrun:
             group._spawn_workers()

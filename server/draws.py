@@ -111,7 +111,11 @@ class _Setting:
             keys[span] = row_keys(row.seed, row.positions, keys.device)
         device = logits.device
         temperature = temperature.to(device)
-        floors = logit_floors(logits, temperature, top_k, top_p) if bool(sampled.any()) else temperature.new_full((num_logits,), -math.inf)
+        floors = (
+            logit_floors(logits, temperature, top_k, top_p)
+            if bool(sampled.any())
+            else temperature.new_full((num_logits,), -math.inf)
+        )
         return _Setting(sampled.to(device), temperature, floors, keys.to(device))
 
 
@@ -145,10 +149,16 @@ def _verify_chains(
                 num_accepted[i] += 1
         walking = still
     residuals = residual_tokens(
-        logits, [starts[i] + num_accepted[i] for i, _ in rejected], values, setting.temperature, setting.floors,
-        [log_norm for _, log_norm in rejected], [chains[i].draft_dists[num_accepted[i]] for i, _ in rejected],
-        [chains[i].seed for i, _ in rejected], [chains[i].positions[num_accepted[i]] for i, _ in rejected],
-    )  # fmt: skip
+        logits,
+        [starts[i] + num_accepted[i] for i, _ in rejected],
+        values,
+        setting.temperature,
+        setting.floors,
+        [log_norm for _, log_norm in rejected],
+        [chains[i].draft_dists[num_accepted[i]] for i, _ in rejected],
+        [chains[i].seed for i, _ in rejected],
+        [chains[i].positions[num_accepted[i]] for i, _ in rejected],
+    )
     next_tokens = {i: targets[starts[i] + num_accepted[i]] for i in chains} | {
         i: token for (i, _), token in zip(rejected, residuals)
     }
@@ -185,5 +195,7 @@ def _probs_at(
     index_t = torch.tensor(index, device=logits.device)
     picked = logits[index_t, torch.tensor(tokens, device=logits.device)]  # [D]
     scale = setting.temperature[index_t].float().clamp_min(torch.finfo(torch.float32).tiny)
-    log_p = ((picked.float() - values[index_t].float()) / scale).double() - torch.tensor(log_norms, dtype=torch.float64, device=logits.device)
+    log_p = ((picked.float() - values[index_t].float()) / scale).double() - torch.tensor(
+        log_norms, dtype=torch.float64, device=logits.device
+    )
     return torch.where(picked.double() >= setting.floors[index_t], log_p.exp(), torch.zeros_like(log_p)).tolist()

@@ -172,7 +172,9 @@ class Engine:
         queued = self._enqueue(Work(session, time.monotonic(), is_prefill=True), len(prompt))
         return session, await self._await_work(queued)
 
-    async def continue_session(self, caller: Caller, session_id: str, turn: TurnRequest) -> tuple[Session, RoundOutcome]:
+    async def continue_session(
+        self, caller: Caller, session_id: str, turn: TurnRequest
+    ) -> tuple[Session, RoundOutcome]:
         """A new turn: keep the session's first `keep_tokens` tokens (and their KV), prefill the turn's tokens."""
         session = self._owned(caller, session_id)
         if session.id in self._work:
@@ -258,7 +260,11 @@ class Engine:
                 # Queue the next step before this reply goes out: every server-driven
                 # stream woken by a step is then queued before the next one is planned,
                 # so the streams share forwards instead of alternating.
-                queued = None if outcome.finish is not FinishReason.NONE else self._next_server_round(session, server_draft_tokens)
+                queued = (
+                    None
+                    if outcome.finish is not FinishReason.NONE
+                    else self._next_server_round(session, server_draft_tokens)
+                )
                 yield outcome
                 if queued is None:
                     return
@@ -336,7 +342,9 @@ class Engine:
             self._wakeup.clear()
             while True:
                 planned_at = time.perf_counter()
-                self.batcher.answering = any(s.generated and s.finish is FinishReason.NONE for s in self.sessions.values())
+                self.batcher.answering = any(
+                    s.generated and s.finish is FinishReason.NONE for s in self.sessions.values()
+                )
                 plan = self.batcher.plan_step()
                 if not plan:
                     break
@@ -390,8 +398,12 @@ class Engine:
             a, b = self.batcher.curve
             log.info(
                 "step budget: %d tokens, shared across identities; cost curve: %.1f ms + %.3f ms per token "
-                "(knee %s tokens)", budget, a * 1e3, b * 1e3, self.batcher.knee_tokens or "unbounded",
-            )  # fmt: skip
+                "(knee %s tokens)",
+                budget,
+                a * 1e3,
+                b * 1e3,
+                self.batcher.knee_tokens or "unbounded",
+            )
 
     async def _reap_idle(self) -> None:
         period = min(30.0, self.config.idle_timeout_s / 2)

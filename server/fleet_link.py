@@ -75,8 +75,12 @@ def advertised_address(bound: str) -> str:
     """The bound HOST:PORT, with a wildcard host replaced by this machine's name."""
     host, port = bound.rsplit(":", 1)
     if host in ("0.0.0.0", "::", "[::]", ""):
-        log.warning("listening on %s: announcing %s:%s; set --advertise-address if edges reach it otherwise",
-                    host, socket.gethostname(), port)  # fmt: skip
+        log.warning(
+            "listening on %s: announcing %s:%s; set --advertise-address if edges reach it otherwise",
+            host,
+            socket.gethostname(),
+            port,
+        )
         return f"{socket.gethostname()}:{port}"
     return bound
 

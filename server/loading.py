@@ -118,7 +118,9 @@ def _random_target(resolved: ResolvedModel, *, device: torch.device, dtype: torc
         tokenizer = AutoTokenizer.from_pretrained(resolved.path)
         fingerprint = fingerprint_from_hf(tokenizer, vocab_size=len(tokenizer))
     model, fingerprint = build_random(preset, fingerprint, device=device, dtype=dtype)
-    return Target(name=resolved.name, model=model, fingerprint=fingerprint, eos_token_ids=frozenset(fingerprint.eos_token_ids))
+    return Target(
+        name=resolved.name, model=model, fingerprint=fingerprint, eos_token_ids=frozenset(fingerprint.eos_token_ids)
+    )
 
 
 def _from_hf(hf_model) -> CausalLM:

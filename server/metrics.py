@@ -31,7 +31,11 @@ _COUNTERS = (
     ("verify_rounds", "num_rounds", "Verify rounds, with or without draft tokens."),
     ("engine_steps", "num_steps", "Batched forward steps run by the engine."),
     ("sessions_rejected", "sessions_rejected", "Sessions refused at admission (no free KV slot)."),
-    ("requests_failed", "requests_failed", "Requests that failed inside the engine alone (their batch ran without them)."),
+    (
+        "requests_failed",
+        "requests_failed",
+        "Requests that failed inside the engine alone (their batch ran without them).",
+    ),
     ("verified_tokens", "num_verified_tokens", "Tokens run for verify rounds: pending tokens and verified nodes."),
     ("cut_draft_nodes", "num_cut_nodes", "Draft nodes not verified because their round exceeded its share of a step."),
 )

@@ -49,7 +49,9 @@ class ModelArgs:
     def from_hf_config(cls, config) -> ModelArgs:
         supported = {"llama", "qwen2", "qwen3"}
         if config.model_type not in supported:
-            raise ValueError(f"unsupported architecture {config.model_type!r}; supported: {', '.join(sorted(supported))}")
+            raise ValueError(
+                f"unsupported architecture {config.model_type!r}; supported: {', '.join(sorted(supported))}"
+            )
         if getattr(config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
         return cls(
@@ -173,8 +175,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = part.num_heads, part.num_kv_heads
         # nn.Module and Optional: server/matmul.py replaces them by their packed forms, q/k/v by one fused product.
         self.q_proj: nn.Module | None = nn.Linear(args.hidden_size, part.num_heads * args.head_dim, bias=args.qkv_bias)
-        self.k_proj: nn.Module | None = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.v_proj: nn.Module | None = nn.Linear(args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj: nn.Module | None = nn.Linear(
+            args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias
+        )
+        self.v_proj: nn.Module | None = nn.Linear(
+            args.hidden_size, part.num_kv_heads * args.head_dim, bias=args.qkv_bias
+        )
         self.o_proj: nn.Module = nn.Linear(part.num_heads * args.head_dim, args.hidden_size, bias=False)
         # Per head, so every tensor-parallel rank holds them whole.
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None

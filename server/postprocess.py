@@ -48,9 +48,13 @@ def round_draw(
     # after a node of depth d lands at num_context + d.
     positions = tuple(session.num_context + d for d in tree.depths(draft_parents))
     return RowDraw(
-        num_logits=1 + len(draft_token_ids), params=session.sampling, seed=session.seed, positions=positions,
-        draft_token_ids=draft_token_ids, draft_dists=draft_dists,
-    )  # fmt: skip
+        num_logits=1 + len(draft_token_ids),
+        params=session.sampling,
+        seed=session.seed,
+        positions=positions,
+        draft_token_ids=draft_token_ids,
+        draft_dists=draft_dists,
+    )
 
 
 def after_prefill(

@@ -97,11 +97,20 @@ def argmax_and_race(
     winners = np.empty(num_rows, np.int64)
     compiled.set_threads(torch.get_num_threads())
     compiled.argmax_and_race(
-        values, row_index, np.ascontiguousarray(racing, np.bool_),
+        values,
+        row_index,
+        np.ascontiguousarray(racing, np.bool_),
         temperature.float().clamp_min(torch.finfo(torch.float32).tiny).numpy(),
-        floors.float().numpy(), keys.numpy().astype(np.uint32), _token_hash_table(values.shape[1]),
-        overrides.starts, overrides.token_ids, overrides.log_weights, top, finite, winners,
-    )  # fmt: skip
+        floors.float().numpy(),
+        keys.numpy().astype(np.uint32),
+        _token_hash_table(values.shape[1]),
+        overrides.starts,
+        overrides.token_ids,
+        overrides.log_weights,
+        top,
+        finite,
+        winners,
+    )
     return torch.from_numpy(top), torch.from_numpy(finite), torch.from_numpy(winners)
 
 
@@ -117,9 +126,13 @@ def log_norms(
     out = np.empty(len(rows), np.float64)
     compiled.set_threads(torch.get_num_threads())
     compiled.log_norms(
-        logits.detach().contiguous().numpy(), rows.numpy().astype(np.int64), values.float().numpy(),
-        temperature.float().clamp_min(torch.finfo(torch.float32).tiny).numpy(), floors.float().numpy(), out,
-    )  # fmt: skip
+        logits.detach().contiguous().numpy(),
+        rows.numpy().astype(np.int64),
+        values.float().numpy(),
+        temperature.float().clamp_min(torch.finfo(torch.float32).tiny).numpy(),
+        floors.float().numpy(),
+        out,
+    )
     return torch.from_numpy(out)
 
 

@@ -65,29 +65,50 @@ class RandomShape:
         )
 
 
-_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 8192}  # fmt: skip
+_LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 # Shapes from the published Qwen2 / Qwen2.5, Qwen3 and Llama 3.1 configs. Llama's 128,256 logits need its
 # own tokenizer: random:llama3.1-8b@/path/to/a-llama-3-dir.
-PRESETS: Mapping[str, RandomShape] = MappingProxyType({
-    "qwen2-0.5b": RandomShape(896, 4864, 24, 14, 2, 151936, tie_word_embeddings=True),
-    "qwen2-1.5b": RandomShape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True),
-    "qwen2-7b": RandomShape(3584, 18944, 28, 28, 4, 152064),
-    "qwen2.5-14b": RandomShape(5120, 13824, 48, 40, 8, 152064),
-    "qwen3-0.6b": RandomShape(1024, 3072, 28, 16, 8, 151936, tie_word_embeddings=True, family="qwen3", head_dim=128),
-    "qwen3-1.7b": RandomShape(2048, 6144, 28, 16, 8, 151936, tie_word_embeddings=True, family="qwen3", head_dim=128),
-    "qwen3-8b": RandomShape(4096, 12288, 36, 32, 8, 151936, family="qwen3", head_dim=128),
-    "qwen3-14b": RandomShape(5120, 17408, 40, 40, 8, 151936, family="qwen3", head_dim=128),
-    "llama3.1-8b": RandomShape(4096, 14336, 32, 32, 8, 128256, rope_theta=500_000.0, rms_norm_eps=1e-5,
-                               family="llama", rope_scaling=_LLAMA31_ROPE),
-    "qwen2-tiny": RandomShape(64, 128, 2, 4, 2, None),  # for tests
-    "qwen3-tiny": RandomShape(64, 128, 2, 4, 2, None, family="qwen3", head_dim=32),  # for tests
-})  # fmt: skip
+PRESETS: Mapping[str, RandomShape] = MappingProxyType(
+    {
+        "qwen2-0.5b": RandomShape(896, 4864, 24, 14, 2, 151936, tie_word_embeddings=True),
+        "qwen2-1.5b": RandomShape(1536, 8960, 28, 12, 2, 151936, tie_word_embeddings=True),
+        "qwen2-7b": RandomShape(3584, 18944, 28, 28, 4, 152064),
+        "qwen2.5-14b": RandomShape(5120, 13824, 48, 40, 8, 152064),
+        "qwen3-0.6b": RandomShape(
+            1024, 3072, 28, 16, 8, 151936, tie_word_embeddings=True, family="qwen3", head_dim=128
+        ),
+        "qwen3-1.7b": RandomShape(
+            2048, 6144, 28, 16, 8, 151936, tie_word_embeddings=True, family="qwen3", head_dim=128
+        ),
+        "qwen3-8b": RandomShape(4096, 12288, 36, 32, 8, 151936, family="qwen3", head_dim=128),
+        "qwen3-14b": RandomShape(5120, 17408, 40, 40, 8, 151936, family="qwen3", head_dim=128),
+        "llama3.1-8b": RandomShape(
+            4096,
+            14336,
+            32,
+            32,
+            8,
+            128256,
+            rope_theta=500_000.0,
+            rms_norm_eps=1e-5,
+            family="llama",
+            rope_scaling=_LLAMA31_ROPE,
+        ),
+        "qwen2-tiny": RandomShape(64, 128, 2, 4, 2, None),  # for tests
+        "qwen3-tiny": RandomShape(64, 128, 2, 4, 2, None, family="qwen3", head_dim=32),  # for tests
+    }
+)
 
 
 def preset_of(model: str) -> str:
-    """"random:qwen2-7b@tok" -> "qwen2-7b"; raises ValueError naming the presets."""
+    """ "random:qwen2-7b@tok" -> "qwen2-7b"; raises ValueError naming the presets."""
     preset = model[len(RANDOM_PREFIX) :].partition("@")[0]
     if preset not in PRESETS:
         raise ValueError(f"unknown random model {preset!r}; presets: {', '.join(PRESETS)}")
@@ -101,7 +122,9 @@ def build_random(
     shape = PRESETS[preset]
     vocab_size = shape.vocab_size or fingerprint.vocab_size
     if vocab_size < fingerprint.num_tokens:
-        raise ValueError(f"random:{preset} has {vocab_size} logits, fewer than its tokenizer's {fingerprint.num_tokens} tokens")
+        raise ValueError(
+            f"random:{preset} has {vocab_size} logits, fewer than its tokenizer's {fingerprint.num_tokens} tokens"
+        )
     config = shape.hf_config(vocab_size)
     args = ModelArgs.from_hf_config(config)
     inv_freq, scaling = rope_frequencies(config, args.head_dim)

@@ -149,10 +149,13 @@ class ModelRunner:
         if self.model.attention == "flex":
             row_masks = [None] * len(requests)
             flex = flex_layout(
-                kv_slots=on_device(kv_slots), kv_positions=on_device(kv_positions), row_bases=on_device(row_bases),
-                tree_table=self._tree_table(requests, len(token_ids)), num_slots=self.kv.num_slots,
+                kv_slots=on_device(kv_slots),
+                kv_positions=on_device(kv_positions),
+                row_bases=on_device(row_bases),
+                tree_table=self._tree_table(requests, len(token_ids)),
+                num_slots=self.kv.num_slots,
                 max_len=self.kv.max_len,
-            )  # fmt: skip
+            )
         return StepBatch(
             token_ids=on_device(token_ids),
             positions=on_device(positions),

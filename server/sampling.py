@@ -83,7 +83,9 @@ def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def row_keys(seed: int, positions: Sequence[int], device: torch.device, stream: int = noise.TARGET_STREAM) -> torch.Tensor:
+def row_keys(
+    seed: int, positions: Sequence[int], device: torch.device, stream: int = noise.TARGET_STREAM
+) -> torch.Tensor:
     """[N] int64 noise keys of `positions` under `seed`."""
     return torch.tensor([noise.row_key(seed, p, stream) for p in positions], dtype=torch.long, device=device)
 
@@ -203,9 +205,13 @@ def _race_eager(
     peaked_rows = (~flat).nonzero().squeeze(1)
     if len(peaked_rows):
         winners[peaked_rows] = _race_gathered(
-            logits[peaked_rows], in_reach[peaked_rows], values[peaked_rows], temperature[peaked_rows],
-            keys[peaked_rows], top[peaked_rows],
-        )  # fmt: skip
+            logits[peaked_rows],
+            in_reach[peaked_rows],
+            values[peaked_rows],
+            temperature[peaked_rows],
+            keys[peaked_rows],
+            top[peaked_rows],
+        )
     flat_rows = flat.nonzero().squeeze(1)
     for chunk in flat_rows.split(_DENSE_CHUNK_ROWS):
         scores = _scores(logits[chunk], values[chunk], temperature[chunk], keys[chunk])  # [C, V]

@@ -149,7 +149,9 @@ class SpecEdgeService(specedge_pb2_grpc.SpecEdgeServicer):
         )
 
     @_rpc
-    async def ContinueSession(self, request: pb.ContinueSessionRequest, context, caller: Caller) -> pb.OpenSessionResponse:
+    async def ContinueSession(
+        self, request: pb.ContinueSessionRequest, context, caller: Caller
+    ) -> pb.OpenSessionResponse:
         self._admit_round(caller)
         turn = self.requests.turn_request(request)
         session, outcome = await self.engine.continue_session(caller, request.session_id, turn)

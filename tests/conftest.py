@@ -30,8 +30,14 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 # Llama 3.x's "llama3" RoPE frequencies, with an original context of 32 so that tests run past it.
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 @pytest.fixture(scope="session")
@@ -42,15 +48,26 @@ def tiny_qwen3_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_draft_dir(tmp_path_factory, tiny_qwen3_dir):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-draft"), seed=5, arch="qwen3", head_dim=32,
-                           noise_from=tiny_qwen3_dir, noise=0.02)  # fmt: skip
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3-draft"),
+        seed=5,
+        arch="qwen3",
+        head_dim=32,
+        noise_from=tiny_qwen3_dir,
+        noise=0.02,
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_llama3_dir(tmp_path_factory):
     """Llama 3.x: llama3 RoPE scaling and tied embeddings, as in Llama-3.2-1B."""
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama3"), seed=6, arch="llama", tie_word_embeddings=True,
-                           rope_parameters=LLAMA3_ROPE)  # fmt: skip
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama3"),
+        seed=6,
+        arch="llama",
+        tie_word_embeddings=True,
+        rope_parameters=LLAMA3_ROPE,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -64,9 +64,13 @@ def tiny_server(
     from specedge.server.engine import EngineConfig
 
     config = ServerConfig(
-        model=str(model_dir), port=0, max_context=max_context, engine=EngineConfig(**engine_options),
-        draft_model=None if draft_model is None else str(draft_model), metrics_port=metrics_port,
-    )  # fmt: skip
+        model=str(model_dir),
+        port=0,
+        max_context=max_context,
+        engine=EngineConfig(**engine_options),
+        draft_model=None if draft_model is None else str(draft_model),
+        metrics_port=metrics_port,
+    )
     return ServerThread(config)
 
 

@@ -37,7 +37,9 @@ class Broker:
         if users:
             password_file = directory / "passwords"
             password_file.write_text("".join(f"{name}:{password}\n" for name, password in users.items()))
-            subprocess.run([shutil.which("mosquitto_passwd") or "mosquitto_passwd", "-U", str(password_file)], check=True)
+            subprocess.run(
+                [shutil.which("mosquitto_passwd") or "mosquitto_passwd", "-U", str(password_file)], check=True
+            )
             lines += ["allow_anonymous false", f"password_file {password_file}"]
         else:
             lines.append("allow_anonymous true")
@@ -76,8 +78,25 @@ def make_certificate(directory) -> tuple[str, str]:
         pytest.skip("openssl is not installed: cannot make a test certificate")
     cert, key = directory / "broker.pem", directory / "broker.key"
     subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(cert), str(key)

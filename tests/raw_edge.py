@@ -18,7 +18,9 @@ PROMPT = [1, 87, 324, 201, 260, 309, 81, 223, 2, 201, 1, 67, 85, 201]
 class Edge:
     """A raw client on its own connection (as a separate machine would be), so the tests can send anything."""
 
-    def __init__(self, address: str, fingerprint: pb.TokenizerFingerprint, security: ChannelSecurity = ChannelSecurity()):
+    def __init__(
+        self, address: str, fingerprint: pb.TokenizerFingerprint, security: ChannelSecurity = ChannelSecurity()
+    ):
         self.channel = open_channel(address, security)  # its own connection, TLS and token as `security` says
         self.stub = specedge_pb2_grpc.SpecEdgeStub(self.channel)
         self.fingerprint = fingerprint

@@ -81,7 +81,10 @@ class FakeRuntime:
 def test_a_stop_string_wins_over_the_length_limit_of_the_same_burst():
     result = asyncio.run(answer(FakeRuntime([[1], [2, 3]], FinishReason.LENGTH), [7, 7, 7], None, stops=["c:"]))
     assert (result.text, result.finish, result.num_prompt_tokens, result.num_completion_tokens) == (
-        "ab", FinishReason.STOP, 3, 2,
-    )  # fmt: skip
+        "ab",
+        FinishReason.STOP,
+        3,
+        2,
+    )
     result = asyncio.run(answer(FakeRuntime([[1], [2, 3]], FinishReason.LENGTH), [7], None, stops=["zz"]))
     assert (result.text, result.finish, result.num_completion_tokens) == ("abc:\n\n", FinishReason.LENGTH, 3)

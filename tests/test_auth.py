@@ -65,13 +65,15 @@ def fingerprint(tiny_target_dir):
 @pytest.fixture(scope="module")
 def mtls_server(tiny_target_dir, pki, tokens):
     """The recommended deployment: TLS, edge certificates required, and tokens."""
-    transport = TransportConfig(
-        tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["client_ca"]
-    )  # fmt: skip
+    transport = TransportConfig(tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["client_ca"])
     config = ServerConfig(
-        model=str(tiny_target_dir), port=0, max_context=128, transport=transport, auth_tokens=tokens["file"],
+        model=str(tiny_target_dir),
+        port=0,
+        max_context=128,
+        transport=transport,
+        auth_tokens=tokens["file"],
         engine=EngineConfig(max_sessions=6),
-    )  # fmt: skip
+    )
     with ServerThread(config) as server:
         yield server
 
@@ -258,7 +260,9 @@ def test_tokens_rotate_and_revoke_without_a_restart(tiny_target_dir, tmp_path, f
 
     async def handshake(address, token):
         channel = open_channel(address, ChannelSecurity(token=token))  # plaintext on loopback: local credentials
-        code, _ = await status_of(specedge_stub(channel).Handshake(pb.HandshakeRequest(protocol_version=1, draft_tokenizer=fp)))
+        code, _ = await status_of(
+            specedge_stub(channel).Handshake(pb.HandshakeRequest(protocol_version=1, draft_tokenizer=fp))
+        )
         await channel.close()
         return code
 
@@ -286,8 +290,9 @@ def test_tokens_rotate_and_revoke_without_a_restart(tiny_target_dir, tmp_path, f
 
 
 def test_attach_streams_are_capped_per_identity_over_all_its_connections(tiny_target_dir, tokens, fingerprint):
-    config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=64, auth_tokens=tokens["file"],
-                          max_attach_per_identity=2)  # fmt: skip
+    config = ServerConfig(
+        model=str(tiny_target_dir), port=0, max_context=64, auth_tokens=tokens["file"], max_attach_per_identity=2
+    )
     fp = wire.fingerprint_to_proto(fingerprint)
 
     async def run(address, limiter):
@@ -326,19 +331,41 @@ def test_edge_reports_a_refused_token_in_one_line(mtls_server, pki, fingerprint)
 
 def test_the_command_lines_with_tls_and_a_token_from_the_environment(tiny_target_dir, tiny_draft_dir, pki, tokens):
     process, address = start_server_process(
-        "--model", str(tiny_target_dir), "--max-context", "128", "--tls-cert", pki["server_cert"],
-        "--tls-key", pki["server_key"], "--auth-tokens", tokens["file"],
-    )  # fmt: skip
+        "--model",
+        str(tiny_target_dir),
+        "--max-context",
+        "128",
+        "--tls-cert",
+        pki["server_cert"],
+        "--tls-key",
+        pki["server_key"],
+        "--auth-tokens",
+        tokens["file"],
+    )
     edge = [
-        os.path.join(os.path.dirname(sys.executable), "specedge-edge"), "--server", address, "--draft",
-        str(tiny_draft_dir), "--prompt", "print(i * i)", "--max-tokens", "12", "--tls-ca", pki["server_ca"],
-    ]  # fmt: skip
+        os.path.join(os.path.dirname(sys.executable), "specedge-edge"),
+        "--server",
+        address,
+        "--draft",
+        str(tiny_draft_dir),
+        "--prompt",
+        "print(i * i)",
+        "--max-tokens",
+        "12",
+        "--tls-ca",
+        pki["server_ca"],
+    ]
     try:
         answered = subprocess.run(
-            [*edge, "--json"], env={**os.environ, "SPECEDGE_TOKEN": tokens["alice"]}, capture_output=True, text=True,
+            [*edge, "--json"],
+            env={**os.environ, "SPECEDGE_TOKEN": tokens["alice"]},
+            capture_output=True,
+            text=True,
             timeout=300,
-        )  # fmt: skip
-        refused = subprocess.run(edge, env={**os.environ, "SPECEDGE_TOKEN": ""}, capture_output=True, text=True, timeout=300)
+        )
+        refused = subprocess.run(
+            edge, env={**os.environ, "SPECEDGE_TOKEN": ""}, capture_output=True, text=True, timeout=300
+        )
     finally:
         process.kill()
         process.wait(timeout=30)

@@ -61,10 +61,12 @@ def test_bad_requests_fail_alone(server, fingerprint, expected):
             "q misses its token": await status_of(good.verify(sid, [6], num_generated=len(tokens), dists=[ONE_HOT_5])),
             "q not a distribution": await status_of(
                 good.verify(
-                    sid, [5], num_generated=len(tokens),
+                    sid,
+                    [5],
+                    num_generated=len(tokens),
                     dists=[pb.SparseDistribution(token_ids=[5, 6], probs=[0.9, 0.9])],
                 )
-            ),  # fmt: skip
+            ),
             "wrong protocol": await status_of(
                 bad.stub.Handshake(pb.HandshakeRequest(protocol_version=99, draft_tokenizer=fingerprint))
             ),

@@ -89,7 +89,9 @@ def test_server_drafting_drafts_each_row_only_its_own_count(model):
     runner = _runner(model)
     runner.forward([ForwardRequest(0, 0, tuple(range(10))), ForwardRequest(1, 0, tuple(range(MAX_LEN - 3)))])
     forwards = []
-    counting = type("Counting", (), {"forward": lambda self, requests: forwards.append(requests) or runner.forward(requests)})()
+    counting = type(
+        "Counting", (), {"forward": lambda self, requests: forwards.append(requests) or runner.forward(requests)}
+    )()
     drafts = ServerDrafter(counting).propose(
         [DraftRow(0, 10, (11,), num_tokens=6), DraftRow(1, MAX_LEN - 3, (7,), num_tokens=2)]
     )

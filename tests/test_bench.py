@@ -21,7 +21,9 @@ from specedge.edge_client.drafting.base import DraftSampling
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.tokens import TokenizerFingerprint
 
-FINGERPRINT = TokenizerFingerprint(vocab_size=100, num_tokens=100, vocab_sha256="x", bos_token_id=None, eos_token_ids=(2,))
+FINGERPRINT = TokenizerFingerprint(
+    vocab_size=100, num_tokens=100, vocab_sha256="x", bos_token_id=None, eos_token_ids=(2,)
+)
 PROMPT = (50, 51, 52)
 REFERENCE = tuple(range(10, 40))
 
@@ -72,7 +74,9 @@ def test_a_cells_round_trip_reaches_its_edges(tiny_target_dir):
     with tiny_server(str(tiny_target_dir), max_sessions=2) as server:
 
         async def ttft_ms(rtt_ms: float) -> float:
-            _, [result] = await run_cell(Cell("ar", 1, rtt_ms), server.address, tokenizer.fingerprint, config, [[job]], [])
+            _, [result] = await run_cell(
+                Cell("ar", 1, rtt_ms), server.address, tokenizer.fingerprint, config, [[job]], []
+            )
             return result.ttft_ms
 
         async def run():
@@ -100,9 +104,13 @@ def test_simulated_edge_has_exactly_the_profile_acceptance(tiny_target_dir, rand
     tokenizer = HFTokenizer(tiny_target_dir)
     rounds = 8
     config = BenchConfig(
-        target=target, draft=str(tiny_target_dir), modes=("specedge",), num_draft=3, follow_advice=False,
+        target=target,
+        draft=str(tiny_target_dir),
+        modes=("specedge",),
+        num_draft=3,
+        follow_advice=False,
         max_tokens=1 + 3 * rounds,
-    )  # fmt: skip
+    )
     jobs = [
         Job(i, f"p{i}", "code", tuple(tokenizer.apply_chat_template([{"role": "user", "content": text}])))
         for i, text in enumerate(["def add(a, b):", "The quick brown fox", "for i in range(10):"])
@@ -110,14 +118,18 @@ def test_simulated_edge_has_exactly_the_profile_acceptance(tiny_target_dir, rand
     with tiny_server(target, max_sessions=4) as server:
 
         async def run():
-            _, references = await run_cell(Cell("ar", 3, 0.0), server.address, tokenizer.fingerprint, config,
-                                           [[job] for job in jobs], [])  # fmt: skip
-            scripts = [make_script(job.token_ids, r.token_ids, CategoryProfile((1.0, 1.0, 0.0)), seed=0)
-                       for job, r in zip(jobs, references)]  # fmt: skip
+            _, references = await run_cell(
+                Cell("ar", 3, 0.0), server.address, tokenizer.fingerprint, config, [[job] for job in jobs], []
+            )
+            scripts = [
+                make_script(job.token_ids, r.token_ids, CategoryProfile((1.0, 1.0, 0.0)), seed=0)
+                for job, r in zip(jobs, references)
+            ]
             drafter = SimulatedDrafter(tokenizer.fingerprint, scripts)
             before = server.server.stats.snapshot()
-            _, results = await run_cell(Cell("specedge", 1, 0.0), server.address, tokenizer.fingerprint, config,
-                                        [jobs], [drafter])  # fmt: skip
+            _, results = await run_cell(
+                Cell("specedge", 1, 0.0), server.address, tokenizer.fingerprint, config, [jobs], [drafter]
+            )
             return references, results, before, server.server.stats.snapshot()
 
         references, results, before, after = asyncio.run(run())
@@ -129,8 +141,10 @@ def test_simulated_edge_has_exactly_the_profile_acceptance(tiny_target_dir, rand
         assert result.stats["accepted_tokens"] == 2 * rounds and result.stats["draft_tokens"] == 3 * rounds
     if len(full) == len(results):
         drafts = after["num_drafts"] - before["num_drafts"]
-        per_pos = {p: after["num_accepted_tokens_per_pos"].get(p, 0) - before["num_accepted_tokens_per_pos"].get(p, 0)
-                   for p in range(3)}  # fmt: skip
+        per_pos = {
+            p: after["num_accepted_tokens_per_pos"].get(p, 0) - before["num_accepted_tokens_per_pos"].get(p, 0)
+            for p in range(3)
+        }
         assert per_pos == {0: drafts, 1: drafts, 2: 0}
 
 
@@ -139,15 +153,33 @@ def _result(
 ) -> RequestResult:
     count = sum(n for _, n in deliveries)
     return RequestResult(
-        edge=edge, prompt_id="p", category=category, token_ids=tokens or [1] * count, finish="length", start_s=start_s,
-        deliveries=deliveries, stats={"accepted_tokens": accepted, "draft_tokens": drafted, "fallback": None},
-        proactive_rounds=rounds, proactive_hits=hits, identical=True,
-    )  # fmt: skip
+        edge=edge,
+        prompt_id="p",
+        category=category,
+        token_ids=tokens or [1] * count,
+        finish="length",
+        start_s=start_s,
+        deliveries=deliveries,
+        stats={"accepted_tokens": accepted, "draft_tokens": drafted, "fallback": None},
+        proactive_rounds=rounds,
+        proactive_hits=hits,
+        identical=True,
+    )
 
 
 def _counters(**values) -> ServerCounters:
-    keys = ("forward_s", "schedule_s", "postprocess_s", "steps", "rows", "batch_tokens", "generated", "drafts",
-            "draft_tokens", "accepted_tokens")  # fmt: skip
+    keys = (
+        "forward_s",
+        "schedule_s",
+        "postprocess_s",
+        "steps",
+        "rows",
+        "batch_tokens",
+        "generated",
+        "drafts",
+        "draft_tokens",
+        "accepted_tokens",
+    )
     return ServerCounters({k: float(values.get(k, 0)) for k in keys}, values.get("per_pos", {}))
 
 
@@ -162,19 +194,45 @@ def _two_records() -> tuple[dict, dict]:
     pricing = Pricing("srv", "edge", (("srv", 3600.0), ("edge", 360.0)))  # $1 and $0.10 per second
     ar = summarize_cell(
         Cell("ar", 2, 14.0),
-        [CellRun(10.0, [_result([(i * 100.0, 1) for i in range(50)], edge=e) for e in (0, 1)],
-                 _counters(forward_s=8, steps=100, rows=200), 0.0, 1.0)],
+        [
+            CellRun(
+                10.0,
+                [_result([(i * 100.0, 1) for i in range(50)], edge=e) for e in (0, 1)],
+                _counters(forward_s=8, steps=100, rows=200),
+                0.0,
+                1.0,
+            )
+        ],
         pricing,
     )
     spec = summarize_cell(
         Cell("specedge_proactive", 2, 14.0),
-        [CellRun(4.0, [_result([(i * 160.0, 2) for i in range(25)], accepted=60, drafted=80, hits=6, rounds=8,
-                               category="chat"),
-                       _result([(i * 160.0, 2) for i in range(25)], accepted=15, drafted=20, hits=2, rounds=8, edge=1)],
-                 _counters(forward_s=3, schedule_s=0.5, postprocess_s=0.5, steps=25, rows=50, drafts=25,
-                           draft_tokens=100, accepted_tokens=75, per_pos={0: 25, 1: 20, 2: 20, 3: 10}), 2.0, 1.0)],
+        [
+            CellRun(
+                4.0,
+                [
+                    _result(
+                        [(i * 160.0, 2) for i in range(25)], accepted=60, drafted=80, hits=6, rounds=8, category="chat"
+                    ),
+                    _result([(i * 160.0, 2) for i in range(25)], accepted=15, drafted=20, hits=2, rounds=8, edge=1),
+                ],
+                _counters(
+                    forward_s=3,
+                    schedule_s=0.5,
+                    postprocess_s=0.5,
+                    steps=25,
+                    rows=50,
+                    drafts=25,
+                    draft_tokens=100,
+                    accepted_tokens=75,
+                    per_pos={0: 25, 1: 20, 2: 20, 3: 10},
+                ),
+                2.0,
+                1.0,
+            )
+        ],
         pricing,
-    )  # fmt: skip
+    )
     return ar, spec
 
 
@@ -237,13 +295,28 @@ def test_report_writes_json_markdown_and_png(tmp_path):
     records = list(_two_records())
     add_ratios(records)
     meta = {
-        "started_utc": "2026-11-21T00:00:00+00:00", "prompts": [{"id": "p"}], "profile": None,
-        "config": {"target": "t", "draft": "d", "edge_kind": "real", "max_tokens": 8, "temperature": 0.0,
-                   "num_draft": 4, "follow_advice": True, "jitter_ms": 0.0,
-                   "pricing": {"server_hw": "srv", "edge_hw": "edge"}},
-        "machine": {"platform": "x", "cpus": 2, "torch": "2", "load_average_before": [1, 1, 1],
-                    "load_average_after": [1, 1, 1]},
-    }  # fmt: skip
+        "started_utc": "2026-11-21T00:00:00+00:00",
+        "prompts": [{"id": "p"}],
+        "profile": None,
+        "config": {
+            "target": "t",
+            "draft": "d",
+            "edge_kind": "real",
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "num_draft": 4,
+            "follow_advice": True,
+            "jitter_ms": 0.0,
+            "pricing": {"server_hw": "srv", "edge_hw": "edge"},
+        },
+        "machine": {
+            "platform": "x",
+            "cpus": 2,
+            "torch": "2",
+            "load_average_before": [1, 1, 1],
+            "load_average_after": [1, 1, 1],
+        },
+    }
     paths = write_report({"meta": meta, "records": records, "raw": []}, tmp_path)
     saved = json.loads(paths[0].read_text())
     assert all(field in record for record in saved["records"] for field in REQUIRED_FIELDS)
@@ -285,8 +358,20 @@ def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, 
     profile = tmp_path / "profile.json"
     categories = {"all": CategoryProfile((0.9, 0.7, 0.5), 0.5, 1)}
     profile.write_text(json.dumps(AcceptanceProfile("d", "t", categories, 0.001, 0.002).to_json()))
-    results = _bench(tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--profile",
-                     str(profile), "--num-edges", "1", "2", "--max-prompts", "3")  # fmt: skip
+    results = _bench(
+        tmp_path,
+        "--target",
+        str(tiny_target_dir),
+        "--draft",
+        str(tiny_draft_dir),
+        "--profile",
+        str(profile),
+        "--num-edges",
+        "1",
+        "2",
+        "--max-prompts",
+        "3",
+    )
     records = {(r["mode"], r["num_edges"]): r for r in results["records"]}
     assert set(records) == {(mode, n) for mode in MODES for n in (1, 2)}
     for (mode, _num_edges), record in records.items():
@@ -307,9 +392,24 @@ def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, 
 
 
 def test_bench_runs_real_draft_models_as_edges(tiny_target_dir, tiny_draft_dir, tmp_path):
-    results = _bench(tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--edge-kind",
-                     "real", "--modes", "specedge", "specedge_proactive", "--num-edges", "2", "--max-prompts", "2",
-                     "--warmup", "0")  # fmt: skip
+    results = _bench(
+        tmp_path,
+        "--target",
+        str(tiny_target_dir),
+        "--draft",
+        str(tiny_draft_dir),
+        "--edge-kind",
+        "real",
+        "--modes",
+        "specedge",
+        "specedge_proactive",
+        "--num-edges",
+        "2",
+        "--max-prompts",
+        "2",
+        "--warmup",
+        "0",
+    )
     for record in results["records"]:
         assert record["requests"] == 2 * 4  # a stream of 4 requests per edge, by default
         assert record["identical_to_reference"] == "8/8" and record["acceptance_rate"] > 0
@@ -318,8 +418,21 @@ def test_bench_runs_real_draft_models_as_edges(tiny_target_dir, tiny_draft_dir, 
 
 
 def test_random_target_presets_are_named_when_unknown(tiny_target_dir, capsys, tmp_path):
-    status = cli.main(["--target", f"random:qwen9-huge@{tiny_target_dir}", "--draft", str(tiny_target_dir),
-                       "--modes", "ar", "--num-edges", "1", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    status = cli.main(
+        [
+            "--target",
+            f"random:qwen9-huge@{tiny_target_dir}",
+            "--draft",
+            str(tiny_target_dir),
+            "--modes",
+            "ar",
+            "--num-edges",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1
     assert "unknown random model 'qwen9-huge'; presets: qwen2-0.5b" in err
@@ -343,11 +456,35 @@ def test_tensor_parallel_bench_compares_tp1_and_tp2_with_the_same_answers(tiny_t
     from specedge.bench import tensor_parallel
 
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(AcceptanceProfile("d", "t", {"all": CategoryProfile((0.8, 0.6), 0.5, 1)}, 0.001, 0.001).to_json()))
-    status = tensor_parallel.main(["--tp", "1", "2", "--target", str(tiny_target_dir), "--draft", str(tiny_target_dir),
-                                   "--profile", str(profile), "--device", "cpu", "--num-edges", "2", "--max-prompts",
-                                   "2", "--max-tokens", "8", "--warmup", "0", "--out", str(tmp_path / "tp"),
-                                   "--no-progress"])  # fmt: skip
+    profile.write_text(
+        json.dumps(AcceptanceProfile("d", "t", {"all": CategoryProfile((0.8, 0.6), 0.5, 1)}, 0.001, 0.001).to_json())
+    )
+    status = tensor_parallel.main(
+        [
+            "--tp",
+            "1",
+            "2",
+            "--target",
+            str(tiny_target_dir),
+            "--draft",
+            str(tiny_target_dir),
+            "--profile",
+            str(profile),
+            "--device",
+            "cpu",
+            "--num-edges",
+            "2",
+            "--max-prompts",
+            "2",
+            "--max-tokens",
+            "8",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path / "tp"),
+            "--no-progress",
+        ]
+    )
     table = capsys.readouterr().out
     assert status == 0, table
     assert "every --tp gave the answers --tp 1 gave: True" in table

@@ -20,7 +20,8 @@ def test_steps_parse_into_rows_on_a_prefix_and_a_prefill_row_from_zero():
     assert (mixed.rows, mixed.new_tokens, mixed.prefill, mixed.num_tokens, mixed.num_logits) == (7, 5, 120, 155, 36)
     requests = mixed.requests(200, list(range(300)))
     assert [(r.slot, r.num_cached, len(r.token_ids), r.all_logits) for r in requests] == [
-        *((slot, 200, 5, True) for slot in range(7)), (7, 0, 120, False)
+        *((slot, 200, 5, True) for slot in range(7)),
+        (7, 0, 120, False),
     ]
     assert Step.parse("p155").requests(200, list(range(300)))[0].num_cached == 0
     for bad in ("8y5", "x5", "8x", "p0", "0x0", ""):
@@ -44,9 +45,30 @@ def test_roofline_counts_a_tied_head_once_and_runs_it_only_for_wanted_logits():
 
 def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, capsys):
     out = tmp_path / "engine"
-    status = cli.main(["engine", "--target", str(tiny_target_dir), "--repeats", "1", "--stream-gb", "0.02",
-                       "--prefix", "16", "--gemm-m", "8", "--kernel-m", "3", "--hf-decode", "2", "--host-rows", "4",
-                       "--out", str(out), "--no-progress"])  # fmt: skip
+    status = cli.main(
+        [
+            "engine",
+            "--target",
+            str(tiny_target_dir),
+            "--repeats",
+            "1",
+            "--stream-gb",
+            "0.02",
+            "--prefix",
+            "16",
+            "--gemm-m",
+            "8",
+            "--kernel-m",
+            "3",
+            "--hf-decode",
+            "2",
+            "--host-rows",
+            "4",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     captured = capsys.readouterr()
     assert status == 0, captured.err
     results = json.loads((out / "engine.json").read_text())
@@ -57,22 +79,29 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         "weight bytes": results["model"]["weight_bytes"],
         "HF ms per token": results["hf"].get("ms_per_token"),
         "host fraction in the race": results["host"]["flat"].get("fraction_within_race_bound"),
-        **{f"host {case} {kind}": results["host"][case].get(kind, {}).get("ms")
-           for case in ("flat", "peaked") for kind in ("greedy", "sampled", "rejection")},  # fmt: skip
+        **{
+            f"host {case} {kind}": results["host"][case].get(kind, {}).get("ms")
+            for case in ("flat", "peaked")
+            for kind in ("greedy", "sampled", "rejection")
+        },
         **{f"roofline {name}": results["roofline"].get(name, {}).get("ms") for name in DEFAULT_STEPS},
     }
     for path in PATHS:
         run = results["paths"].get(path, {})
         assert run.get("matmul") == path, f"{path}: the path that ran was {run.get('matmul')}"
         figures |= {f"{path} {name}": run.get("steps", {}).get(name, {}).get("ms") for name in DEFAULT_STEPS}
-        figures |= {f"{path} {key}": run.get(key) for key in ("kv_cache_bytes", "peak_rss_bytes", "rss_anon_bytes", "load_s")}
+        figures |= {
+            f"{path} {key}": run.get(key) for key in ("kv_cache_bytes", "peak_rss_bytes", "rss_anon_bytes", "load_s")
+        }
     missing = {name: value for name, value in figures.items() if not (isinstance(value, (int, float)) and value > 0)}
     assert not missing, f"missing or non-positive figures: {missing}"
     assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(PATHS)
     [kernels] = results["limits"]["kernels"]["rows"]
     assert kernels["m"] == 3 and kernels["eager"] > 0 and kernels["onednn"] > 0
     # inductor's frozen product compiles where a C++ compiler is found; otherwise the table says why not
-    assert (isinstance(kernels["inductor"], float) and kernels["inductor"] > 0) or kernels["inductor"].startswith("not run:")
+    assert (isinstance(kernels["inductor"], float) and kernels["inductor"] > 0) or kernels["inductor"].startswith(
+        "not run:"
+    )
     assert len(results["hf"]["times_ms"]) == 2 and results["host"]["logits_shape"] == [20, 384]
     assert results["roofline"]["7x5+p120"]["tokens"] == 155 and results["roofline"]["7x5+p120"]["logits"] == 36
 
@@ -87,9 +116,31 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
 
 
 def test_one_path_leaves_the_other_columns_empty(tiny_target_dir, capsys):
-    status = cli.main(["engine", "--target", str(tiny_target_dir), "--matmul", "onednn", "--steps", "2x3", "--repeats",
-                       "1", "--stream-gb", "0.01", "--prefix", "4", "--gemm-m", "4", "--kernel-m", "--hf-decode", "0",
-                       "--host-rows", "1", "--no-progress"])  # fmt: skip
+    status = cli.main(
+        [
+            "engine",
+            "--target",
+            str(tiny_target_dir),
+            "--matmul",
+            "onednn",
+            "--steps",
+            "2x3",
+            "--repeats",
+            "1",
+            "--stream-gb",
+            "0.01",
+            "--prefix",
+            "4",
+            "--gemm-m",
+            "4",
+            "--kernel-m",
+            "--hf-decode",
+            "0",
+            "--host-rows",
+            "1",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0
     [row] = [line for line in out.splitlines() if line.startswith("| 2x3 |")]
@@ -99,8 +150,14 @@ def test_one_path_leaves_the_other_columns_empty(tiny_target_dir, capsys):
 
 
 def test_bad_engine_options_end_in_one_line(capsys, tmp_path):
-    for bad in (["--steps", "8y5"], ["--matmul", "cuda"], ["--dtype", "float16"], ["--repeats", "0"],
-                ["--stream-gb", "0"], ["--target", str(tmp_path / "nowhere")]):  # fmt: skip
+    for bad in (
+        ["--steps", "8y5"],
+        ["--matmul", "cuda"],
+        ["--dtype", "float16"],
+        ["--repeats", "0"],
+        ["--stream-gb", "0"],
+        ["--target", str(tmp_path / "nowhere")],
+    ):
         assert cli.main(["engine", *bad, "--no-progress"]) == 2, bad
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 6 and all(line.startswith("specedge-bench: ") for line in lines), lines

@@ -13,8 +13,23 @@ from bench import cli
 
 def test_neighbours_measures_both_settings(tiny_target_dir, tmp_path, capsys):
     out = tmp_path / "neighbours"
-    status = cli.main(["neighbours", "--target", str(tiny_target_dir), "--a-rounds", "4", "--b-alone-s", "1",
-                       "--long-prompt", "100", "--step-tokens", "32", "--out", str(out)])  # fmt: skip
+    status = cli.main(
+        [
+            "neighbours",
+            "--target",
+            str(tiny_target_dir),
+            "--a-rounds",
+            "4",
+            "--b-alone-s",
+            "1",
+            "--long-prompt",
+            "100",
+            "--step-tokens",
+            "32",
+            "--out",
+            str(out),
+        ]
+    )
     assert status == 0, capsys.readouterr().err
     results = json.loads((out / "neighbours.json").read_text())
     fair, arrival = results["settings"]["fair"], results["settings"]["arrival"]

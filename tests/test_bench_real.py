@@ -22,8 +22,17 @@ pytestmark = pytest.mark.real_model
 
 def test_quick_run_completes_with_every_mode_and_a_well_formed_results_json(tmp_path):
     out = tmp_path / "bench"
-    command = [os.path.join(os.path.dirname(sys.executable), "specedge-bench"), "--quick", "--max-prompts", "2",
-               "--max-tokens", "16", "--out", str(out), "--no-progress"]  # fmt: skip
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "specedge-bench"),
+        "--quick",
+        "--max-prompts",
+        "2",
+        "--max-tokens",
+        "16",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())

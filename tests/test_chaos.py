@@ -66,7 +66,9 @@ class ChaosEdge:
         lease = self.stub.Attach(pb.AttachRequest())
         try:
             await self.point("attached", 0)
-            request = pb.OpenSessionRequest(tokenizer=self.fingerprint, prompt_token_ids=self.prompt, max_new_tokens=MAX_NEW)
+            request = pb.OpenSessionRequest(
+                tokenizer=self.fingerprint, prompt_token_ids=self.prompt, max_new_tokens=MAX_NEW
+            )
             opened = await self.point("opening", 0, self.stub.OpenSession(request))
             tokens, finish, round_no = [opened.first_token_id], opened.finish_reason, 0
             while finish == pb.FINISH_REASON_NONE:
@@ -105,10 +107,13 @@ def test_fifty_edges_killed_at_random_points_leak_nothing(tiny_target_dir):
         torch.set_num_threads(threads)
     # Every phase gets victims; the round and the moment within it are random.
     deaths = {
-        i: (PHASES[n % len(PHASES)], 0 if PHASES[n % len(PHASES)] in ("attached", "opening") else rng.randint(1, 6),
-            rng.uniform(0, 0.02))
+        i: (
+            PHASES[n % len(PHASES)],
+            0 if PHASES[n % len(PHASES)] in ("attached", "opening") else rng.randint(1, 6),
+            rng.uniform(0, 0.02),
+        )
         for n, i in enumerate(sorted(victims))
-    }  # fmt: skip
+    }
     config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=160, engine=EngineConfig(max_sessions=64))
 
     with ServerThread(config) as server:
@@ -128,9 +133,11 @@ def test_fifty_edges_killed_at_random_points_leak_nothing(tiny_target_dir):
         while (engine.sessions or engine._leases or engine._work) and time.monotonic() < deadline:
             time.sleep(0.05)
         leaked = {
-            "sessions": len(engine.sessions), "slots": engine.slots.num_slots - engine.slots.num_free,
-            "queued work": len(engine._work) + len(engine.batcher), "leases": len(engine._leases),
-        }  # fmt: skip
+            "sessions": len(engine.sessions),
+            "slots": engine.slots.num_slots - engine.slots.num_free,
+            "queued work": len(engine._work) + len(engine.batcher),
+            "leases": len(engine._leases),
+        }
         stats = server.server.stats.snapshot()
 
     assert leaked == {"sessions": 0, "slots": 0, "queued work": 0, "leases": 0}

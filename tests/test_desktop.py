@@ -143,8 +143,10 @@ def test_stop_cancels_and_frees_the_server_slot(qtbot, tmp_path, server, tiny_dr
     qtbot.keyClicks(window.input, "The quick brown fox")
     heartbeat = Heartbeat()
     qtbot.keyClick(window.input, Qt.Key.Key_Return)
-    qtbot.waitUntil(lambda: window.answer is not None and bool(window.answer.text)
-                    and window.answer.live["draft_tokens"] > 40, timeout=WAIT_MS)  # fmt: skip
+    qtbot.waitUntil(
+        lambda: window.answer is not None and bool(window.answer.text) and window.answer.live["draft_tokens"] > 40,
+        timeout=WAIT_MS,
+    )
     assert heartbeat.longest_gap_s() < 0.5  # the window kept redrawing while the edge drafted and waited
     assert server.server.engine.sessions  # the answer holds a slot while it runs
     assert window.stop_button.isEnabled() and not window.send_button.isEnabled()
@@ -164,8 +166,15 @@ def test_stop_cancels_and_frees_the_server_slot(qtbot, tmp_path, server, tiny_dr
 def test_offline_then_reconnect_and_partial_answers_kept(qtbot, tmp_path, tiny_target_dir, tiny_draft_dir):
     port = free_port()
     address = f"127.0.0.1:{port}"
-    window = open_window(qtbot, tmp_path, address, tiny_draft_dir, max_tokens=400,
-                         connection=ConnectionConfig(reconnect_timeout_s=1.0, simulated_rtt_ms=60), **FAST)  # fmt: skip
+    window = open_window(
+        qtbot,
+        tmp_path,
+        address,
+        tiny_draft_dir,
+        max_tokens=400,
+        connection=ConnectionConfig(reconnect_timeout_s=1.0, simulated_rtt_ms=60),
+        **FAST,
+    )
     wait_state(qtbot, window, State.OFFLINE)
     assert "cannot reach the server" in window.connection.label.text()
     assert window.connection.reconnect_button.isVisible() and not window.send_button.isEnabled()
@@ -274,8 +283,14 @@ def secured(tmp_path_factory, tiny_target_dir):
     token, line = make_token("desk")
     (folder / "tokens").write_text(line + "\n")
     transport = TransportConfig(tls_cert=pki["server_cert"], tls_key=pki["server_key"], tls_client_ca=pki["client_ca"])
-    config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=512, transport=transport,
-                          auth_tokens=str(folder / "tokens"), engine=EngineConfig(max_sessions=4))  # fmt: skip
+    config = ServerConfig(
+        model=str(tiny_target_dir),
+        port=0,
+        max_context=512,
+        transport=transport,
+        auth_tokens=str(folder / "tokens"),
+        engine=EngineConfig(max_sessions=4),
+    )
     with ServerThread(config) as running:
         yield running, pki, token
 
@@ -287,7 +302,7 @@ def refused_words(window) -> str:
     for jargon in ("Traceback", "UNAUTHENTICATED", "UNAVAILABLE", "SSL_ERROR", "--token", "--tls"):
         assert jargon not in text, text
     assert window.connection.reconnect_button.isVisible() and not window.send_button.isEnabled()
-    return text[len("Refused: "):]
+    return text[len("Refused: ") :]
 
 
 def test_token_and_mutual_tls_from_the_settings(qtbot, tmp_path, secured, tiny_draft_dir):
@@ -305,8 +320,9 @@ def test_token_and_mutual_tls_from_the_settings(qtbot, tmp_path, secured, tiny_d
     assert ask(qtbot, window, "print(i * i)") == outcomes.DONE
     answer = window.store.messages(window.current)[-1]
     right = ChatSettings(server=server.address, draft=str(tiny_draft_dir), token=token, **tls)
-    expected = server_only_text(server.address, tiny_draft_dir, [{"role": "user", "content": "print(i * i)"}],
-                                MAX_TOKENS, right.security())  # fmt: skip
+    expected = server_only_text(
+        server.address, tiny_draft_dir, [{"role": "user", "content": "print(i * i)"}], MAX_TOKENS, right.security()
+    )
     assert answer.content == expected and answer.stats["draft_tokens"] > 0
     window.close()
 
@@ -324,8 +340,9 @@ def test_refused_tls_is_told_in_plain_words(qtbot, tmp_path, secured, tiny_draft
     def connect_and_read() -> str:
         before = window.connection.label.text()
         qtbot.mouseClick(panel.connect_button, Qt.MouseButton.LeftButton)
-        qtbot.waitUntil(lambda: window.state is State.REFUSED and window.connection.label.text() != before,
-                        timeout=WAIT_MS)  # fmt: skip
+        qtbot.waitUntil(
+            lambda: window.state is State.REFUSED and window.connection.label.text() != before, timeout=WAIT_MS
+        )
         return refused_words(window)
 
     wait_state(qtbot, window, State.REFUSED)  # plaintext to a TLS server
@@ -354,21 +371,28 @@ def test_refusal_words_for_what_the_tests_cannot_stage_cheaply():
     from specedge.edge_client.desktop.connection_words import refusal
 
     def lost(last_error: str) -> ConnectionLost:
-        return ConnectionLost(f"cannot reach the server at h:1 (failed to connect to all addresses; last error: "
-                              f"UNKNOWN: ipv4:127.0.0.2:1: {last_error}); is specedge-server running?")  # fmt: skip
+        return ConnectionLost(
+            f"cannot reach the server at h:1 (failed to connect to all addresses; last error: "
+            f"UNKNOWN: ipv4:127.0.0.2:1: {last_error}); is specedge-server running?"
+        )
 
     tls = ChatSettings(use_tls=True)
-    expired = ("Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:"
-               "OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: certificate has expired: OK")
+    expired = (
+        "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:"
+        "OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: certificate has expired: OK"
+    )
     assert refusal(lost(expired), tls) == "the server's certificate has expired: tell its operator"
     hostname = "Custom verification check failed with error: UNAUTHENTICATED: Hostname Verification Check failed."
     assert "another name" in refusal(lost(hostname), tls)
-    plaintext_server = ("Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:"
-                        "OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context")
+    plaintext_server = (
+        "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL routines:"
+        "OPENSSL_internal:WRONG_VERSION_NUMBER: Invalid certificate verification context"
+    )
     assert refusal(lost(plaintext_server), tls) == "the server does not speak TLS: turn Use TLS off"
     assert refusal(lost("Failed to connect to remote host: Connection refused"), tls) is None  # just not there
-    no_token = EdgeError("server refused: UNAUTHENTICATED: this server requires a token: pass --token ...",
-                         status="UNAUTHENTICATED")  # fmt: skip
+    no_token = EdgeError(
+        "server refused: UNAUTHENTICATED: this server requires a token: pass --token ...", status="UNAUTHENTICATED"
+    )
     assert refusal(no_token, ChatSettings()).startswith("the server needs an access token")
     assert refusal(EdgeError("draft vocab 320 != target vocab 512", status="FAILED_PRECONDITION"), tls) is None
 
@@ -395,8 +419,9 @@ def test_first_run_assembly_shows_progress(qtbot, tmp_path, server, tiny_draft_d
     """The built-in assembly path (registry.assemble) with a small fake chunk set, slowed down to be seen."""
     chunks = [bytes([n]) * 4096 for n in range(6)]
     parts = tuple(registry.Part(f"fake-part{n}", "1.0", f"fake_part{n}", f"data/part{n:02d}.bin") for n in range(6))
-    spec = registry.BuiltinModel("fake-draft", "fake-draft.gguf", sum(map(len, chunks)),
-                                 hashlib.sha256(b"".join(chunks)).hexdigest(), parts)  # fmt: skip
+    spec = registry.BuiltinModel(
+        "fake-draft", "fake-draft.gguf", sum(map(len, chunks)), hashlib.sha256(b"".join(chunks)).hexdigest(), parts
+    )
     files = {}
     for part, data in zip(parts, chunks):
         files[part] = tmp_path / f"{part.module}.bin"
@@ -427,10 +452,12 @@ def test_first_run_assembly_shows_progress(qtbot, tmp_path, server, tiny_draft_d
 def test_rate_series_and_overall_weighting():
     assert figures.rate_series([(0.2, 3), (0.9, 5)], 1.0, num_points=2) == [0.0, 16.0]
     assert figures.rate_series([], 1.0) == []
-    both = figures.overall([
-        {"num_tokens": 90, "elapsed_s": 1.0, "draft_tokens": 100, "accepted_tokens": 80},
-        {"num_tokens": 10, "elapsed_s": 9.0, "draft_tokens": 0, "accepted_tokens": 0, "fallback": "slow"},
-    ])  # fmt: skip
+    both = figures.overall(
+        [
+            {"num_tokens": 90, "elapsed_s": 1.0, "draft_tokens": 100, "accepted_tokens": 80},
+            {"num_tokens": 10, "elapsed_s": 9.0, "draft_tokens": 0, "accepted_tokens": 0, "fallback": "slow"},
+        ]
+    )
     assert both["tokens_per_s"] == 10.0 and both["acceptance_rate"] == 0.8 and both["fallbacks"] == 1
 
 
@@ -456,10 +483,18 @@ def test_settings_are_validated():
 def test_settings_round_trip_and_owner_only_file(qtbot, tmp_path):
     """Every setting survives a restart; the file that keeps the token is readable by its owner only."""
     settings = ChatSettings(
-        server="", fleet_broker="mqtts://broker.lan:8883", draft="smollm2-135m", temperature=0.7, max_tokens=99,
-        server_only=True, use_tls=True, tls_ca="/etc/ca.pem", tls_cert="/home/a/edge.crt", tls_key="/home/a/edge.key",
+        server="",
+        fleet_broker="mqtts://broker.lan:8883",
+        draft="smollm2-135m",
+        temperature=0.7,
+        max_tokens=99,
+        server_only=True,
+        use_tls=True,
+        tls_ca="/etc/ca.pem",
+        tls_cert="/home/a/edge.crt",
+        tls_key="/home/a/edge.key",
         token="se_abcdef",
-    )  # fmt: skip
+    )
     panel = SettingsPanel(settings)
     qtbot.addWidget(panel)
     assert panel.current() == settings  # every field shows in the form and reads back the same
@@ -491,8 +526,15 @@ def test_real_pair_answer_and_screenshot(qtbot, tmp_path):
 
     process, address = start_server_process("--model", "qwen2.5-coder-1.5b", "--max-sessions", "2")
     try:
-        window = open_window(qtbot, tmp_path, address, "qwen2.5-coder-0.5b", max_tokens=REAL_MAX_TOKENS,
-                             policy=SpeculationPolicy(), connection=ConnectionConfig())  # fmt: skip
+        window = open_window(
+            qtbot,
+            tmp_path,
+            address,
+            "qwen2.5-coder-0.5b",
+            max_tokens=REAL_MAX_TOKENS,
+            policy=SpeculationPolicy(),
+            connection=ConnectionConfig(),
+        )
         wait_state(qtbot, window, State.CONNECTED, timeout=300_000)
         assert "qwen" in window.connection.label.text().lower()
         with qtbot.waitSignal(window.answer_ended, timeout=600_000) as ended:
@@ -504,8 +546,9 @@ def test_real_pair_answer_and_screenshot(qtbot, tmp_path):
         if keep := os.environ.get("SPECEDGE_SCREENSHOT_DIR"):  # docs/desktop-chat.png comes from here
             window.grab().save(os.path.join(keep, "desktop-chat.png"))
         window.close()
-        expected = server_only_text(address, "qwen2.5-coder-0.5b", [{"role": "user", "content": REAL_PROMPT}],
-                                    REAL_MAX_TOKENS)  # fmt: skip
+        expected = server_only_text(
+            address, "qwen2.5-coder-0.5b", [{"role": "user", "content": REAL_PROMPT}], REAL_MAX_TOKENS
+        )
         assert answer.content == expected
     finally:
         process.send_signal(2)
@@ -543,7 +586,9 @@ def test_qt_binding_keeps_reference_counts():
     import sys
 
     done = subprocess.run([sys.executable, "-c", SIGNAL_STORM], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"this PySide6 corrupts reference counts when signals are delivered: {done.stderr[-300:]}"
+    assert done.returncode == 0, (
+        f"this PySide6 corrupts reference counts when signals are delivered: {done.stderr[-300:]}"
+    )
     none_drift, true_drift = map(int, done.stdout.split())
     assert abs(none_drift) < 100 and abs(true_drift) < 100  # 40000 deliveries: any leak would show in thousands
 
@@ -552,6 +597,10 @@ def test_command_line_help():
     import subprocess
     import sys
 
-    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "specedge-chat"), "--help"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "specedge-chat"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and "--server" in done.stdout and "--data-dir" in done.stdout

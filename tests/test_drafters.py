@@ -472,7 +472,9 @@ def test_llama_cpp_runner_ups_and_draft_p_min(smollm2_path, smollm2_prompt):
     chain = drafter.propose(smollm2_prompt, 6)
     for position, (token, runner_up) in enumerate(zip(chain.token_ids, chain.runner_up_ids)):
         drafter.propose([*smollm2_prompt, *chain.token_ids[:position]], 1)
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(drafter._llm.ctx, -1), shape=(drafter._num_vocab,))
+        logits = np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(drafter._llm.ctx, -1), shape=(drafter._num_vocab,)
+        )
         assert [token, runner_up] == np.argsort(-logits, kind="stable")[:2].tolist()
         assert chain.runner_up_probs[position] <= chain.probs[position]
     # Stop at the first draft token less sure than the chain's first (halfway between two of its
@@ -501,7 +503,9 @@ def test_llama_cpp_rollback_and_rounds(smollm2_path, smollm2_reference, smollm2_
 
     evaluated_per_call: list[int] = []
     real_eval = drafter._llm.eval
-    monkeypatch.setattr(drafter._llm, "eval", lambda tokens: (evaluated_per_call.append(len(tokens)), real_eval(tokens)))
+    monkeypatch.setattr(
+        drafter._llm, "eval", lambda tokens: (evaluated_per_call.append(len(tokens)), real_eval(tokens))
+    )
     context = list(smollm2_prompt)
     chain = drafter.propose(context, 4)
     for _ in range(4):  # rounds: 2 of 4 drafts accepted, then a token the server chose

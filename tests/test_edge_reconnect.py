@@ -94,8 +94,15 @@ PACED = ("--max-rounds-per-second", "8", "--round-burst", "1")
 @pytest.mark.parametrize("server_only_answers", [False, True], ids=["speculative", "server-only"])
 def test_four_answers_survive_a_server_restart(tiny_target_dir, tiny_draft_dir, reference_model, server_only_answers):
     port = free_port()
-    server_args = ("--model", str(tiny_target_dir), "--max-context", "512", "--log-level", "warning",
-                   *(() if server_only_answers else PACED))  # fmt: skip
+    server_args = (
+        "--model",
+        str(tiny_target_dir),
+        "--max-context",
+        "512",
+        "--log-level",
+        "warning",
+        *(() if server_only_answers else PACED),
+    )
     processes = [start_server_process(*server_args, port=port)[0]]
     address = f"127.0.0.1:{port}"
     tokenizer = HFTokenizer(tiny_draft_dir)
@@ -133,8 +140,9 @@ def test_four_answers_survive_a_server_restart(tiny_target_dir, tiny_draft_dir, 
                 return FLAPS
 
             async def ask_all():
-                async with openai.AsyncOpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0,
-                                              timeout=300) as client:  # fmt: skip
+                async with openai.AsyncOpenAI(
+                    base_url=api.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
+                ) as client:
                     requests = [dict(model=model, messages=m, max_tokens=MAX_TOKENS, temperature=0) for m in messages]
                     # Two read raw (to see [DONE]), two through the SDK's own stream parsing.
                     readers = [raw_sse, raw_sse, sdk_stream, sdk_stream]

@@ -51,8 +51,12 @@ def test_chat_turns_prefill_only_the_new_message(server, tiny_draft_dir, referen
             held = len(conversation.tokens)
             result = await runtime.generate(prompt, conversation=conversation)
             turns.append((prompt, result.token_ids, prompt_tokens_prefilled(server) - before, held))
-            history.append({"role": "assistant", "content": runtime.tokenizer.decode(
-                [t for t in result.token_ids if t not in eos])})  # fmt: skip
+            history.append(
+                {
+                    "role": "assistant",
+                    "content": runtime.tokenizer.decode([t for t in result.token_ids if t not in eos]),
+                }
+            )
         session_id = conversation.session_id
         await runtime.close()
         return turns, session_id
@@ -160,7 +164,9 @@ def test_a_missing_draft_model_runs_server_only_and_says_so(server, tiny_draft_d
 
 
 @pytest.mark.parametrize("speculative", [True, False])
-def test_restarting_the_server_mid_answer_loses_and_repeats_nothing(tiny_target_dir, tiny_draft_dir, reference_model, speculative):
+def test_restarting_the_server_mid_answer_loses_and_repeats_nothing(
+    tiny_target_dir, tiny_draft_dir, reference_model, speculative
+):
     port = free_port()
     server_args = ("--model", str(tiny_target_dir), "--max-context", "512", "--log-level", "warning")
     process, address = start_server_process(*server_args, port=port)
@@ -205,8 +211,18 @@ def test_restarting_the_server_mid_answer_loses_and_repeats_nothing(tiny_target_
 
 def test_terminal_chat_turns_and_ctrl_c(server, tiny_draft_dir):
     """Two turns through stdin, a Ctrl-C that stops a long answer and frees its slot, a Ctrl-C at the prompt to exit."""
-    command = [f"{BIN}/specedge-edge", "--server", server.address, "--draft", str(tiny_draft_dir),
-               "--max-tokens", "400", "--simulate-rtt-ms", "40", "--no-fallback"]  # fmt: skip
+    command = [
+        f"{BIN}/specedge-edge",
+        "--server",
+        server.address,
+        "--draft",
+        str(tiny_draft_dir),
+        "--max-tokens",
+        "400",
+        "--simulate-rtt-ms",
+        "40",
+        "--no-fallback",
+    ]
     chat = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stderr_lines: list[str] = []
     threading.Thread(target=lambda: stderr_lines.extend(iter(chat.stderr.readline, "")), daemon=True).start()

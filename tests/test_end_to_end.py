@@ -64,14 +64,18 @@ def test_flex_attention_server_is_lossless(tiny_target_dir, tokenizer, drafter, 
         for messages in PROMPTS[:2]:
             prompt = tokenizer.apply_chat_template(messages)
             expected = greedy_decode(reference_model, prompt, 24, set(tokenizer.eos_token_ids))
-            assert generate(flex_server, tokenizer, prompt, drafter, num_draft=4, max_new_tokens=24).token_ids == expected
+            assert (
+                generate(flex_server, tokenizer, prompt, drafter, num_draft=4, max_new_tokens=24).token_ids == expected
+            )
             assert generate(flex_server, tokenizer, prompt, None, max_new_tokens=24).token_ids == expected
 
 
 def test_bfloat16_server_is_lossless_against_itself(tiny_target_dir, tokenizer, drafter):
     """--dtype bfloat16 (oneDNN's bf16 kernels where the CPU has them) changes the target's numerics, so its answers
     are compared with its own server-only decoding: speculative equals server-only, token for token."""
-    config = ServerConfig(model=str(tiny_target_dir), port=0, max_context=128, dtype="bfloat16", engine=EngineConfig(max_sessions=2))
+    config = ServerConfig(
+        model=str(tiny_target_dir), port=0, max_context=128, dtype="bfloat16", engine=EngineConfig(max_sessions=2)
+    )
     with ServerThread(config) as bf16_server:
         assert bf16_server.server.engine.stepper.runner.kv.k[0].dtype == torch.bfloat16
         for messages in PROMPTS:
@@ -108,7 +112,9 @@ def test_four_edges_at_once_are_each_lossless(server, tokenizer, tiny_draft_dir,
     async def run():
         policy = SpeculationPolicy(num_draft=4, max_new_tokens=48)
         async with EdgeClient(server.address, tokenizer.fingerprint) as client:
-            return await asyncio.gather(*(generation.generate(client, p, d, policy=policy) for p, d in zip(prompts, drafters)))
+            return await asyncio.gather(
+                *(generation.generate(client, p, d, policy=policy) for p, d in zip(prompts, drafters))
+            )
 
     results = asyncio.run(run())
     for prompt, result in zip(prompts, results):
@@ -132,8 +138,10 @@ def test_seeded_sampling_with_rejection_on_is_drafted_coupled_and_equals_seeded_
     """A seed overrides rejection sampling: coupled drafts, verified by matching (tests/test_seeded_coupling.py)."""
     prompt = tokenizer.apply_chat_template(PROMPTS[0])
     sampling = SamplingParams(temperature=0.9, top_k=50)
-    runs = [generate(server, tokenizer, prompt, drafter, seed=7, sampling=sampling, max_new_tokens=40, num_draft=k)
-            for k in (2, 5)]  # fmt: skip
+    runs = [
+        generate(server, tokenizer, prompt, drafter, seed=7, sampling=sampling, max_new_tokens=40, num_draft=k)
+        for k in (2, 5)
+    ]
     server_only = generate(server, tokenizer, prompt, None, sampling=sampling, seed=7, max_new_tokens=40)
     assert runs[0].token_ids == runs[1].token_ids == server_only.token_ids
     assert runs[0].stats.accepted_tokens > 0

@@ -123,9 +123,19 @@ def test_a_killed_server_last_will_moves_the_next_session(
     broker, servers, tiny_target_dir, tiny_draft_dir, tokenizer, prompt, reference_model
 ):
     process, proc_address = start_server_process(
-        "--model", str(tiny_target_dir), "--max-context", "512", "--log-level", "warning",
-        "--mqtt", broker.url, "--server-id", "proc", "--announce-period", "1",
-    )  # fmt: skip
+        "--model",
+        str(tiny_target_dir),
+        "--max-context",
+        "512",
+        "--log-level",
+        "warning",
+        "--mqtt",
+        broker.url,
+        "--server-id",
+        "proc",
+        "--announce-period",
+        "1",
+    )
     expected = greedy_decode(reference_model, prompt, MAX_TOKENS, set(tokenizer.eos_token_ids))
 
     async def run():
@@ -176,10 +186,16 @@ def test_draining_mid_answer_moves_the_answer_intact(
     async def run():
         discovery = DiscoveryConfig(broker_config, edge_id=edge_id, telemetry=True, telemetry_period_s=0.05)
         # A 40 ms emulated round trip (and, server-only, a slow reader) keeps the answer going while the drain travels.
-        runtime = EdgeRuntime(RuntimeConfig(
-            None, str(tiny_draft_dir), SpeculationPolicy(max_new_tokens=MAX_TOKENS),
-            ConnectionConfig(simulated_rtt_ms=40), server_only=not speculative, discovery=discovery,
-        ))  # fmt: skip
+        runtime = EdgeRuntime(
+            RuntimeConfig(
+                None,
+                str(tiny_draft_dir),
+                SpeculationPolicy(max_new_tokens=MAX_TOKENS),
+                ConnectionConfig(simulated_rtt_ms=40),
+                server_only=not speculative,
+                discovery=discovery,
+            )
+        )
         await runtime.start()
         first_name = by_address[runtime.client.address]
         received: list[int] = []
@@ -188,7 +204,9 @@ def test_draining_mid_answer_moves_the_answer_intact(
         def on_tokens(token_ids) -> None:
             received.extend(token_ids)
             if len(received) >= 8 and not drains:
-                drains.append(asyncio.ensure_future(send_command(broker_config, first_name, Command("drain", "test"), 10)))
+                drains.append(
+                    asyncio.ensure_future(send_command(broker_config, first_name, Command("drain", "test"), 10))
+                )
             if not speculative:
                 time.sleep(0.01)
 
@@ -225,9 +243,21 @@ def test_draining_mid_answer_moves_the_answer_intact(
     edge = fleet["edges"][edge_id]
     assert edge["server_id"] == second_name and edge["answers"] == 1 and edge["resumes"] >= 1
     assert set(edge) == {
-        "edge_id", "server_id", "answers", "tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_rate",
-        "draft_tokens_per_s", "rtt_ms", "proactive_hit_rate", "fallbacks", "resumes", "seen_s_ago",
-    }  # fmt: skip
+        "edge_id",
+        "server_id",
+        "answers",
+        "tokens",
+        "rounds",
+        "draft_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "draft_tokens_per_s",
+        "rtt_ms",
+        "proactive_hit_rate",
+        "fallbacks",
+        "resumes",
+        "seen_s_ago",
+    }
     if speculative:  # the server it uses took the edge's acceptance as its advice prior
         assert servers[second_name].server.engine.acceptance_prior == min(0.95, max(0.05, edge["acceptance_rate"]))
 
@@ -254,17 +284,32 @@ def test_malformed_and_hostile_messages_are_ignored(
 
     alpha = servers["alpha"]
     announcer = alpha.server.announcer
-    imposter = json.dumps({
-        "schema": 1, "server_id": "imposter", "health": "serving", "address": "127.0.0.1:9", "model": "evil",
-        "tokenizer": {
-            "vocab_size": 384, "num_tokens": 384, "vocab_sha256": "0" * 64, "bos_token_id": None, "eos_token_ids": [2],
-        },
-        "version": "0", "period_s": 1.0, "reason": "",
-        "load": {
-            "max_sessions": 1000, "active_sessions": 0, "free_kv_slots": 1000, "queue_wait_ms": 0,
-            "advised_draft_tokens": 8,
-        },
-    })  # fmt: skip
+    imposter = json.dumps(
+        {
+            "schema": 1,
+            "server_id": "imposter",
+            "health": "serving",
+            "address": "127.0.0.1:9",
+            "model": "evil",
+            "tokenizer": {
+                "vocab_size": 384,
+                "num_tokens": 384,
+                "vocab_sha256": "0" * 64,
+                "bos_token_id": None,
+                "eos_token_ids": [2],
+            },
+            "version": "0",
+            "period_s": 1.0,
+            "reason": "",
+            "load": {
+                "max_sessions": 1000,
+                "active_sessions": 0,
+                "free_kv_slots": 1000,
+                "queue_wait_ms": 0,
+                "advised_draft_tokens": 8,
+            },
+        }
+    )
     junk = [
         ("specedge/v1/servers/alpha", b"{not json"),
         ("specedge/v1/servers/ghost", b'{"schema": 1, "server_id": "ghost", "health": 7}'),
@@ -328,8 +373,10 @@ def test_without_a_broker_the_edge_falls_back_or_says_why(
     assert result.token_ids == expected and "refused" in broker_down.lower()
     failed = subprocess.run(
         [f"{BIN}/specedge-edge", "--discover", dead.url, "--draft", str(tiny_draft_dir), "--prompt", "hi"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert failed.returncode == 1
     assert failed.stderr.strip().splitlines() == [
         f"specedge-edge: the broker at {dead.url} is unreachable ([Errno 111] Connection refused), "
@@ -356,7 +403,9 @@ def test_broker_password_and_tls(tmp_path, tiny_target_dir, tokenizer):
         with fleet_server(tiny_target_dir, server_broker, "guarded") as server:
             chosen, _ = asyncio.run(choose(BrokerConfig(secure.url, username="edge", password="pw-edge", tls_ca=cert)))
             assert chosen == server.address
-            _, wrong_password = asyncio.run(choose(BrokerConfig(secure.url, username="edge", password="nope", tls_ca=cert)))
+            _, wrong_password = asyncio.run(
+                choose(BrokerConfig(secure.url, username="edge", password="nope", tls_ca=cert))
+            )
             assert "unreachable" in wrong_password and "authori" in wrong_password.lower()
             # TLS verifies the broker: without its CA, the self-signed certificate is refused.
             _, untrusted = asyncio.run(choose(BrokerConfig(secure.url, username="edge", password="pw-edge")))
@@ -367,9 +416,12 @@ def test_the_live_table_shows_the_fleet_and_quits_on_ctrl_c(broker, servers):
     # rich draws a live table only on a terminal; TTY_COMPATIBLE/TTY_INTERACTIVE make it draw into the pipe
     # too, so the test can see the servers appear (without them it only prints the last frame, at exit).
     table = subprocess.Popen(
-        [f"{BIN}/specedge-fleet", "--mqtt", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [f"{BIN}/specedge-fleet", "--mqtt", broker.url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "COLUMNS": "200", "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"},
-    )  # fmt: skip
+    )
     chunks: list[str] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: table.stdout.read(1), "")), daemon=True)
     reader.start()

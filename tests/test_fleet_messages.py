@@ -32,8 +32,12 @@ FOREIGN = TokenizerFingerprint(320, 320, "b" * 64, None, (2,))
 
 
 def status(server_id="s1", *, active=0, free=4, health=SERVING, fingerprint=FINGERPRINT, queue_ms=0.0) -> ServerStatus:
-    load = ServerLoad(max_sessions=4, active_sessions=active, free_kv_slots=free, queue_wait_ms=queue_ms, advised_draft_tokens=4)
-    return ServerStatus(server_id, health, f"127.0.0.1:{5000 + len(server_id)}", "tiny", fingerprint, "0.1.0", load, 5.0)
+    load = ServerLoad(
+        max_sessions=4, active_sessions=active, free_kv_slots=free, queue_wait_ms=queue_ms, advised_draft_tokens=4
+    )
+    return ServerStatus(
+        server_id, health, f"127.0.0.1:{5000 + len(server_id)}", "tiny", fingerprint, "0.1.0", load, 5.0
+    )
 
 
 def test_topics_accept_only_safe_ids():

@@ -189,11 +189,15 @@ def fuzz_server(tiny_target_dir, tmp_path_factory):
     token_file.write_text("".join(line + "\n" for _, line in tokens.values()))
     engine = EngineConfig(
         max_sessions=10, max_sessions_per_identity=6, max_draft_tokens=MAX_DRAFT, max_draft_prob_tokens=MAX_Q
-    )  # fmt: skip
+    )
     config = ServerConfig(
-        model=str(tiny_target_dir), port=0, max_context=MAX_CONTEXT, engine=engine, auth_tokens=str(token_file),
+        model=str(tiny_target_dir),
+        port=0,
+        max_context=MAX_CONTEXT,
+        engine=engine,
+        auth_tokens=str(token_file),
         transport=TransportConfig(max_message_bytes=MAX_MESSAGE),
-    )  # fmt: skip
+    )
     with ServerThread(config) as server:
         yield server, {name: token for name, (token, _) in tokens.items()}
 
@@ -243,10 +247,19 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
             statuses["examples", "n"] += 1
             return self.open_session(request)
 
-        @rule(target=sessions, request=st.one_of(well_formed_open, st.builds(
-            message(pb.OpenSessionRequest), tokenizer=fingerprints(valid_fp), prompt_token_ids=id_lists,
-            max_new_tokens=uint32, sampling=sampling,
-        )))  # fmt: skip
+        @rule(
+            target=sessions,
+            request=st.one_of(
+                well_formed_open,
+                st.builds(
+                    message(pb.OpenSessionRequest),
+                    tokenizer=fingerprints(valid_fp),
+                    prompt_token_ids=id_lists,
+                    max_new_tokens=uint32,
+                    sampling=sampling,
+                ),
+            ),
+        )
         def open_session(self, request):
             _, _, reply = call("OpenSession", self.stub.OpenSession, request)
             if reply is None:
@@ -256,34 +269,44 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
             return reply.session_id
 
         @rule(
-            session=st.one_of(sessions, sessions, texts), keep=st.one_of(st.just(0), st.just(0), uint32),
-            tokens=id_lists, max_new_tokens=st.one_of(st.integers(0, MAX_CONTEXT), uint32), sampling=sampling,
-        )  # fmt: skip
+            session=st.one_of(sessions, sessions, texts),
+            keep=st.one_of(st.just(0), st.just(0), uint32),
+            tokens=id_lists,
+            max_new_tokens=st.one_of(st.integers(0, MAX_CONTEXT), uint32),
+            sampling=sampling,
+        )
         def continue_session(self, session, keep, tokens, max_new_tokens, sampling):
             """A new turn, in order or not: kept tokens beyond the session, empty turns, turns while in flight."""
             session, tokens = expand(session), expand(tokens)
             request = pb.ContinueSessionRequest(
-                session_id=session, keep_tokens=keep, token_ids=tokens, max_new_tokens=max_new_tokens,
+                session_id=session,
+                keep_tokens=keep,
+                token_ids=tokens,
+                max_new_tokens=max_new_tokens,
                 sampling=sampling,
-            )  # fmt: skip
+            )
             _, _, reply = call("ContinueSession", self.stub.ContinueSession, request)
             if reply is not None:
                 assert reply.session_id == session and 0 <= reply.first_token_id < VOCAB
                 self.live[session] = 1
 
         @rule(
-            session=st.one_of(sessions, sessions, texts), drafts=id_lists,
+            session=st.one_of(sessions, sessions, texts),
+            drafts=id_lists,
             parents=st.one_of(st.just([]), st.just([]), id_lists),
             num_generated=st.one_of(st.just(None), st.just(None), uint32),
             dists=st.one_of(st.just([]), st.just([]), st.lists(sparse, max_size=MAX_DRAFT + 1)),
-        )  # fmt: skip
+        )
         def verify(self, session, drafts, parents, num_generated, dists):
             session, drafts, parents = expand(session), expand(drafts), expand(parents)
             known = self.live.get(session, 1)
             request = pb.VerifyRequest(
-                session_id=session, draft_token_ids=drafts, draft_parents=parents,
-                num_generated=known if num_generated is None else num_generated, draft_probs=dists,
-            )  # fmt: skip
+                session_id=session,
+                draft_token_ids=drafts,
+                draft_parents=parents,
+                num_generated=known if num_generated is None else num_generated,
+                draft_probs=dists,
+            )
             _, _, reply = call("Verify", self.stub.Verify, request)
             if reply is None:
                 return
@@ -296,15 +319,24 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
             drafts = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=MAX_DRAFT), label="drafts")
             shape = data.draw(st.sampled_from(["chain", "tree", "chain with q"]), label="shape")
             parents = [data.draw(st.integers(0, i)) for i in range(len(drafts))] if shape == "tree" else []
-            dists = [
-                pb.SparseDistribution(token_ids=[t, (t + 1) % VOCAB], probs=[p, 1 - p])
-                for t, p in zip(drafts, data.draw(st.lists(st.floats(0.05, 1.0), min_size=len(drafts), max_size=len(drafts))))
-            ] if shape == "chain with q" else []  # fmt: skip
+            dists = (
+                [
+                    pb.SparseDistribution(token_ids=[t, (t + 1) % VOCAB], probs=[p, 1 - p])
+                    for t, p in zip(
+                        drafts, data.draw(st.lists(st.floats(0.05, 1.0), min_size=len(drafts), max_size=len(drafts)))
+                    )
+                ]
+                if shape == "chain with q"
+                else []
+            )
             known = self.live.get(session, 1)
             request = pb.VerifyRequest(
-                session_id=session, draft_token_ids=drafts, draft_parents=parents, num_generated=known,
+                session_id=session,
+                draft_token_ids=drafts,
+                draft_parents=parents,
+                num_generated=known,
                 draft_probs=dists,
-            )  # fmt: skip
+            )
             code, details, reply = call("Verify(well-formed)", self.stub.Verify, request)
             if reply is None:
                 # Finished, or out of sync (a lease's end is closing it); never opened, or closed.
@@ -350,19 +382,31 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
             else:
                 assert code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
 
-        @rule(request=st.builds(
-            message(pb.HandshakeRequest), protocol_version=st.one_of(st.just(1), uint32),
-            draft_tokenizer=fingerprints(valid_fp), client_name=texts,
-        ), who=st.sampled_from(["fuzzer", "fuzzer", "none", "wrong"]))  # fmt: skip
+        @rule(
+            request=st.builds(
+                message(pb.HandshakeRequest),
+                protocol_version=st.one_of(st.just(1), uint32),
+                draft_tokenizer=fingerprints(valid_fp),
+                client_name=texts,
+            ),
+            who=st.sampled_from(["fuzzer", "fuzzer", "none", "wrong"]),
+        )
         def handshake(self, request, who):
             code, _, _ = call("Handshake", stubs[who].Handshake, request)
             if who != "fuzzer" and request.ByteSize() <= MAX_MESSAGE:  # gRPC measures a message before any handler
                 assert code == grpc.StatusCode.UNAUTHENTICATED
 
-        @rule(request=st.builds(
-            message(pb.GenerateRequest), tokenizer=fingerprints(valid_fp), prompt_token_ids=id_lists, max_new_tokens=uint32,
-            sampling=sampling, server_draft_tokens=uint32,
-        ), read=st.integers(0, 3))  # fmt: skip
+        @rule(
+            request=st.builds(
+                message(pb.GenerateRequest),
+                tokenizer=fingerprints(valid_fp),
+                prompt_token_ids=id_lists,
+                max_new_tokens=uint32,
+                sampling=sampling,
+                server_draft_tokens=uint32,
+            ),
+            read=st.integers(0, 3),
+        )
         def generate(self, request, read):
             stream = self.stub.Generate(request, timeout=30)
             try:
@@ -378,13 +422,23 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
             stream.cancel()  # an edge walking away mid-stream
             statuses["Generate", code.name] += 1
 
-        @rule(method=st.sampled_from(sorted(REQUEST_TYPES)), data=st.one_of(
-            st.binary(max_size=64),
-            st.builds(lambda m: m.SerializeToString(), st.sampled_from([
-                pb.VerifyRequest(session_id="s", draft_token_ids=[1, 2]), pb.OpenSessionRequest(prompt_token_ids=[5]),
-                pb.ServerLimits(max_sessions=3), pb.GenerateResponse(token_ids=[1]),
-            ])),
-        ))  # fmt: skip
+        @rule(
+            method=st.sampled_from(sorted(REQUEST_TYPES)),
+            data=st.one_of(
+                st.binary(max_size=64),
+                st.builds(
+                    lambda m: m.SerializeToString(),
+                    st.sampled_from(
+                        [
+                            pb.VerifyRequest(session_id="s", draft_token_ids=[1, 2]),
+                            pb.OpenSessionRequest(prompt_token_ids=[5]),
+                            pb.ServerLimits(max_sessions=3),
+                            pb.GenerateResponse(token_ids=[1]),
+                        ]
+                    ),
+                ),
+            ),
+        )
         def raw_bytes(self, method, data):
             """Bytes of another message type, or of none: wrong types, truncations, bad UTF-8."""
             if method == "Attach":
@@ -438,13 +492,17 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
         run_state_machine_as_test(
             Fuzzer,
             settings=settings(
-                max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=True, database=None,
+                max_examples=MAX_EXAMPLES,
+                stateful_step_count=STEPS,
+                deadline=None,
+                derandomize=True,
+                database=None,
                 suppress_health_check=list(HealthCheck),
                 # No shrinking: replays against a live server (timing, leases) are not exact, and a
                 # failing sequence is reported as found.
                 phases=[Phase.explicit, Phase.generate],
             ),
-        )  # fmt: skip
+        )
     finally:
         good.stop.set()
         good.join(timeout=60)
@@ -456,8 +514,10 @@ def test_fuzz_every_rpc_while_a_good_session_stays_lossless(fuzz_server, tiny_ta
     by_rpc = collections.Counter()
     for (name, _), count in statuses.items():
         by_rpc[name.split("(")[0].removeprefix("raw ")] += count
-    print(f"\nfuzz: {num_calls} calls in {statuses['examples', 'n']} examples, {elapsed:.0f} s; "
-          f"good session ran {len(good.outputs)} times; statuses: {dict(statuses)}")  # fmt: skip
+    print(
+        f"\nfuzz: {num_calls} calls in {statuses['examples', 'n']} examples, {elapsed:.0f} s; "
+        f"good session ran {len(good.outputs)} times; statuses: {dict(statuses)}"
+    )
     assert num_calls >= 2000
     assert all(by_rpc[name] >= 50 for name in REQUEST_TYPES), by_rpc
     verified = sum(statuses[name, "OK"] for name in ("Verify", "Verify(racing)", "Verify(well-formed)"))

@@ -43,13 +43,20 @@ def test_bisection_isolates_each_bad_item_and_keeps_the_rest():
     # A row whose logits hold NaN or inf fails alone; its neighbours in the same packed logits draw as usual.
     logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 1.0, 3.0], [0.0, float("nan"), 1.0], [float("inf"), 0.0, 0.0]])
     greedy = SamplingParams()
-    drawn = draw_rows(logits, [RowDraw(2, greedy, positions=(5, 6)), RowDraw(1, greedy, positions=(9,)),
-                               RowDraw(1, SamplingParams(temperature=1.0), positions=(3,))])  # fmt: skip
+    drawn = draw_rows(
+        logits,
+        [
+            RowDraw(2, greedy, positions=(5, 6)),
+            RowDraw(1, greedy, positions=(9,)),
+            RowDraw(1, SamplingParams(temperature=1.0), positions=(3,)),
+        ],
+    )
     assert drawn[0] == [1, 2] and all(isinstance(r, NonFiniteLogits) for r in drawn[1:])
 
 
 class FaultyRunner:
-    """The real runner, except: any batch holding SHAPE_BUG raises as a shape bug would; a row holding NAN gets NaN logits.
+    """The real runner, except: any batch holding SHAPE_BUG raises as a shape bug would; a row holding NAN gets
+    NaN logits.
 
     While `gate` is clear, a forward waits for it (after setting `entered`), so a test can queue work behind it.
     """
@@ -70,7 +77,9 @@ class FaultyRunner:
         if any(self.shape_bug in r.token_ids for r in requests):
             raise RuntimeError("The size of tensor a (7) must match the size of tensor b (8) (injected)")
         logits = self.runner.forward(requests)
-        return [torch.full_like(row, float("nan")) if self.nan in r.token_ids else row for r, row in zip(requests, logits)]
+        return [
+            torch.full_like(row, float("nan")) if self.nan in r.token_ids else row for r, row in zip(requests, logits)
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +111,18 @@ def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(tiny_target_dir, r
             # Hold the first good round inside its forward, queue the rest behind it: they all share the next step.
             runner = faulty[0]
             runner.gate.clear()
-            good_rounds = [asyncio.ensure_future(goods[0].verify(opened[0].session_id, expected[0][1:3], num_generated=1))]
+            good_rounds = [
+                asyncio.ensure_future(goods[0].verify(opened[0].session_id, expected[0][1:3], num_generated=1))
+            ]
             assert await asyncio.to_thread(runner.entered.wait, 30)
             good_rounds += [
                 asyncio.ensure_future(edge.verify(o.session_id, out[1:3], num_generated=1))
                 for edge, o, out in zip(goods[1:], opened[1:], expected[1:])
             ]
-            bad_calls = [poisoned.verify(victim.session_id, [nan, 5], num_generated=1), poisoned.open(prompt=[shape_bug, 5, 6])]
+            bad_calls = [
+                poisoned.verify(victim.session_id, [nan, 5], num_generated=1),
+                poisoned.open(prompt=[shape_bug, 5, 6]),
+            ]
             bad_rounds = [asyncio.ensure_future(status_of(call)) for call in bad_calls]
             while len(engine._work) < len(good_rounds) + len(bad_rounds):
                 await asyncio.sleep(0.01)
@@ -120,7 +134,9 @@ def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(tiny_target_dir, r
             for edge, o, out, first in zip(goods, opened, expected, first_replies):
                 tokens = [o.first_token_id, *first.token_ids]
                 while len(tokens) < len(out) and tokens[-1] != 2:
-                    reply = await edge.verify(o.session_id, out[len(tokens) : len(tokens) + 3], num_generated=len(tokens))
+                    reply = await edge.verify(
+                        o.session_id, out[len(tokens) : len(tokens) + 3], num_generated=len(tokens)
+                    )
                     tokens += reply.token_ids
                 outputs.append(tokens)
                 await edge.close(o.session_id)
@@ -165,7 +181,12 @@ def test_a_row_whose_draws_raise_fails_alone():
 
     logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 1.0, 3.0], [1.0, 0.0, 0.0]])
     greedy = SamplingParams()
-    bad = RowDraw(1, SamplingParams(temperature=1.0), positions=(1,), draft_token_ids=(7,),
-                  draft_dists=(SparseDist((7,), (1.0,)),))  # a draft id past this vocabulary: cannot be indexed
+    bad = RowDraw(
+        1,
+        SamplingParams(temperature=1.0),
+        positions=(1,),
+        draft_token_ids=(7,),
+        draft_dists=(SparseDist((7,), (1.0,)),),
+    )  # a draft id past this vocabulary: cannot be indexed
     drawn = Stepper._draw(logits, [RowDraw(1, greedy, positions=(0,)), bad, RowDraw(1, greedy, positions=(2,))])
     assert drawn[0] == [1] and drawn[2] == [0] and isinstance(drawn[1], Exception)

@@ -92,14 +92,23 @@ def fingerprint(tiny_target_dir):
 @pytest.fixture(scope="module")
 def limited(tiny_target_dir):
     engine = EngineConfig(
-        max_sessions=4, max_sessions_per_identity=2, max_prompt_tokens=20, max_draft_tokens=8, max_draft_prob_tokens=4,
+        max_sessions=4,
+        max_sessions_per_identity=2,
+        max_prompt_tokens=20,
+        max_draft_tokens=8,
+        max_draft_prob_tokens=4,
         idle_timeout_s=30,
-    )  # fmt: skip
+    )
     transport = TransportConfig(max_message_bytes=64 << 10, idle_connection_timeout_s=0.5)
     config = ServerConfig(
-        model=str(tiny_target_dir), port=0, max_context=64, engine=engine, transport=transport,
-        rate_limit=RateLimitConfig(rounds_per_s=RATE, burst=BURST), max_attach_per_identity=MAX_ATTACH,
-    )  # fmt: skip
+        model=str(tiny_target_dir),
+        port=0,
+        max_context=64,
+        engine=engine,
+        transport=transport,
+        rate_limit=RateLimitConfig(rounds_per_s=RATE, burst=BURST),
+        max_attach_per_identity=MAX_ATTACH,
+    )
     with ServerThread(config) as server:
         yield server
 
@@ -111,10 +120,19 @@ def test_the_handshake_reports_every_limit(limited, fingerprint):
 
     limits = asyncio.run(run())
     assert limits == ServerLimits(
-        max_context_tokens=64, max_draft_tokens=8, max_sessions=4, max_prompt_tokens=20, max_draft_prob_tokens=4,
-        max_sessions_per_identity=2, max_rounds_per_second=RATE, round_burst=BURST, max_message_bytes=64 << 10,
-        idle_session_timeout_s=30, idle_connection_timeout_s=0.5, max_attach_streams_per_identity=MAX_ATTACH,
-    )  # fmt: skip
+        max_context_tokens=64,
+        max_draft_tokens=8,
+        max_sessions=4,
+        max_prompt_tokens=20,
+        max_draft_prob_tokens=4,
+        max_sessions_per_identity=2,
+        max_rounds_per_second=RATE,
+        round_burst=BURST,
+        max_message_bytes=64 << 10,
+        idle_session_timeout_s=30,
+        idle_connection_timeout_s=0.5,
+        max_attach_streams_per_identity=MAX_ATTACH,
+    )
 
 
 def test_each_limit_refuses_with_a_precise_status(limited, fingerprint):
@@ -255,9 +273,12 @@ def test_sessions_past_capacity_are_refused_and_memory_stays_in_budget(tiny_targ
     bytes_per_slot = 2 * 2 * 2 * 16 * 4 * max_context  # K and V x layers x kv heads x head dim x fp32, per token
     budget_bytes = num_fitting * bytes_per_slot + bytes_per_slot // 2
     config = ServerConfig(
-        model=str(tiny_target_dir), port=0, max_context=max_context, kv_cache_gb=budget_bytes / 2**30,
+        model=str(tiny_target_dir),
+        port=0,
+        max_context=max_context,
+        kv_cache_gb=budget_bytes / 2**30,
         engine=EngineConfig(max_sessions=64),
-    )  # fmt: skip
+    )
     fp = wire.fingerprint_to_proto(fingerprint)
 
     async def flood(address):
@@ -283,7 +304,9 @@ def test_sessions_past_capacity_are_refused_and_memory_stays_in_budget(tiny_targ
     codes = [code for code, _ in results]
     assert codes.count(grpc.StatusCode.OK) == num_fitting
     assert codes.count(EXHAUSTED) == len(codes) - num_fitting
-    assert all(f"all {num_fitting} session slots are in use" in details for code, details in results[:60] if code == EXHAUSTED)
+    assert all(
+        f"all {num_fitting} session slots are in use" in details for code, details in results[:60] if code == EXHAUSTED
+    )
     assert kv_bytes <= budget_bytes
     assert rss_growth < 64 << 20, f"resident memory grew {rss_growth >> 20} MiB during the flood"
 

@@ -31,9 +31,12 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=40)
 
 
 pytestmark = pytest.mark.server_options(
-    max_context=320, draft=True, metrics_port=0, max_sessions=24,
+    max_context=320,
+    draft=True,
+    metrics_port=0,
+    max_sessions=24,
     batcher=BatcherConfig(max_batch_tokens=96, prefill_reserve=16),
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +57,12 @@ async def tree_generate(client: EdgeClient, prompt, drafter, sampling, seed) -> 
     stub, fingerprint = client._stub, wire.fingerprint_to_proto(client.fingerprint)
     opened = await stub.OpenSession(
         pb.OpenSessionRequest(
-            tokenizer=fingerprint, prompt_token_ids=prompt, max_new_tokens=MAX_NEW,
+            tokenizer=fingerprint,
+            prompt_token_ids=prompt,
+            max_new_tokens=MAX_NEW,
             sampling=wire.sampling_to_proto(sampling, seed),
         )
-    )  # fmt: skip
+    )
     tokens = [opened.first_token_id]
     finish = opened.finish_reason
     while finish == pb.FINISH_REASON_NONE:
@@ -86,7 +91,9 @@ def test_sixteen_edges_chains_and_trees_greedy_and_sampled(server, tokenizer, ti
     async def one_edge(i: int, shape: str, sampling: SamplingParams | None):
         # Following the server's advice: under this load the draft length varies, which a seeded
         # answer (coupled drafts, verified by matching) must not notice.
-        policy = SpeculationPolicy(num_draft=4, max_new_tokens=MAX_NEW, sampling=sampling or SamplingParams(), seed=100 + i)
+        policy = SpeculationPolicy(
+            num_draft=4, max_new_tokens=MAX_NEW, sampling=sampling or SamplingParams(), seed=100 + i
+        )
         async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             if shape == "tree":
                 return await tree_generate(client, prompts[i], drafters[i], policy.sampling, policy.seed)
@@ -127,9 +134,11 @@ def test_server_side_speculation_is_lossless(server, tokenizer, reference_model)
     async def run():
         async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             request = pb.GenerateRequest(
-                tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=prompt,
-                max_new_tokens=MAX_NEW, server_draft_tokens=4,
-            )  # fmt: skip
+                tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint),
+                prompt_token_ids=prompt,
+                max_new_tokens=MAX_NEW,
+                server_draft_tokens=4,
+            )
             return [t async for reply in client._stub.Generate(request) for t in reply.token_ids]
 
     drafts_before = server.server.stats.snapshot()["num_drafts"]
@@ -165,8 +174,10 @@ def test_killed_edges_free_their_slots_while_others_finish(server, tokenizer, ti
     victims = [
         subprocess.Popen(
             [sys.executable, "-c", VICTIM, server.address, str(tiny_draft_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         for _ in range(3)
     ]
     for victim in victims:
@@ -187,10 +198,11 @@ def test_killed_edges_free_their_slots_while_others_finish(server, tokenizer, ti
             async with EdgeClient(server.address, tokenizer.fingerprint) as client:
                 await client._stub.OpenSession(
                     pb.OpenSessionRequest(
-                        tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=[5, 6, 7],
+                        tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint),
+                        prompt_token_ids=[5, 6, 7],
                         max_new_tokens=50,
                     )
-                )  # fmt: skip
+                )
 
     async def run():
         task = asyncio.gather(*(survivor(p) for p in survivors), abandon_sessions(20))
@@ -237,16 +249,19 @@ def test_metrics_count_a_scripted_run_exactly(server, tokenizer, reference_model
             stub = client._stub
             opened = await stub.OpenSession(
                 pb.OpenSessionRequest(
-                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=prompt,
+                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint),
+                    prompt_token_ids=prompt,
                     max_new_tokens=10,
                 )
-            )  # fmt: skip
+            )
             sid = opened.session_id
             wrong = (expected[5] + 1) % 384
             rounds = [expected[1:4], [wrong, 9], []]  # 3 accepted; 0 accepted; no draft
             replies, generated = [], 1
             for drafts in rounds:
-                reply = await stub.Verify(pb.VerifyRequest(session_id=sid, draft_token_ids=drafts, num_generated=generated))
+                reply = await stub.Verify(
+                    pb.VerifyRequest(session_id=sid, draft_token_ids=drafts, num_generated=generated)
+                )
                 generated += len(reply.token_ids)
                 replies.append(reply)
             await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
@@ -257,14 +272,29 @@ def test_metrics_count_a_scripted_run_exactly(server, tokenizer, reference_model
     assert [list(r.accepted_nodes) for r in replies] == [[1, 2, 3], [], []]
     assert all(r.timing.batch_size >= 1 and r.timing.forward_ms > 0 for r in replies)
     after = server.server.stats.snapshot()
-    delta = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                                         "num_rounds", "num_generated_tokens", "num_prompt_tokens")}
+    delta = {
+        key: after[key] - before[key]
+        for key in (
+            "num_drafts",
+            "num_draft_tokens",
+            "num_accepted_tokens",
+            "num_rounds",
+            "num_generated_tokens",
+            "num_prompt_tokens",
+        )
+    }
     assert delta == {
-        "num_drafts": 2, "num_draft_tokens": 5, "num_accepted_tokens": 3, "num_rounds": 3,
-        "num_generated_tokens": 1 + 4 + 1 + 1, "num_prompt_tokens": len(prompt),
-    }  # fmt: skip
+        "num_drafts": 2,
+        "num_draft_tokens": 5,
+        "num_accepted_tokens": 3,
+        "num_rounds": 3,
+        "num_generated_tokens": 1 + 4 + 1 + 1,
+        "num_prompt_tokens": len(prompt),
+    }
     for position in range(3):
-        assert after["num_accepted_tokens_per_pos"][position] - before["num_accepted_tokens_per_pos"].get(position, 0) == 1
+        assert (
+            after["num_accepted_tokens_per_pos"][position] - before["num_accepted_tokens_per_pos"].get(position, 0) == 1
+        )
     exposition = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics").read().decode()
     assert f"specedge:spec_decode_num_draft_tokens_total {float(after['num_draft_tokens'])}" in exposition
     assert f"specedge:spec_decode_num_accepted_tokens_total {float(after['num_accepted_tokens'])}" in exposition
@@ -277,9 +307,11 @@ def test_server_without_a_draft_model_refuses_server_side_speculation(tiny_targe
         async def run():
             async with EdgeClient(bare.address, tokenizer.fingerprint) as client:
                 request = pb.GenerateRequest(
-                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=[5, 6],
-                    max_new_tokens=4, server_draft_tokens=4,
-                )  # fmt: skip
+                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint),
+                    prompt_token_ids=[5, 6],
+                    max_new_tokens=4,
+                    server_draft_tokens=4,
+                )
                 return [reply async for reply in client._stub.Generate(request)]
 
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -318,10 +350,11 @@ def test_idle_sessions_are_reaped(tiny_target_dir, tokenizer):
             async with EdgeClient(idle.address, tokenizer.fingerprint) as client:
                 opened = await client._stub.OpenSession(
                     pb.OpenSessionRequest(
-                        tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=[5, 6],
+                        tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint),
+                        prompt_token_ids=[5, 6],
                         max_new_tokens=8,
                     )
-                )  # fmt: skip
+                )
                 assert len(idle.server.engine.sessions) == 1
                 await asyncio.sleep(1.5)  # idle well past the timeout, connection still open
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -361,10 +394,11 @@ def test_a_round_cancelled_in_flight_frees_the_slot_at_once(server, tokenizer):
         async with EdgeClient(server.address, tokenizer.fingerprint) as client:
             opened = await client._stub.OpenSession(
                 pb.OpenSessionRequest(
-                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=[5, 6, 7],
+                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint),
+                    prompt_token_ids=[5, 6, 7],
                     max_new_tokens=50,
                 )
-            )  # fmt: skip
+            )
             busy = engine._executor.submit(time.sleep, 3.0)  # the engine thread is busy: the round must wait
             call = client._stub.Verify(pb.VerifyRequest(session_id=opened.session_id, num_generated=1))
             for _ in range(100):

@@ -44,7 +44,9 @@ def test_sessions_of_different_lengths_in_one_batch(request, fixture):
     runner = _runner(tiny_target_dir)
     # Prefill both, then one step each in a single mixed batch (a decode + a 4-token chain).
     runner.forward([ForwardRequest(0, 0, tuple(a[:-1]), all_logits=False), ForwardRequest(2, 0, tuple(b[:-4]))])
-    step_a, step_b = runner.forward([ForwardRequest(0, len(a) - 1, (a[-1],)), ForwardRequest(2, len(b) - 4, tuple(b[-4:]))])
+    step_a, step_b = runner.forward(
+        [ForwardRequest(0, len(a) - 1, (a[-1],)), ForwardRequest(2, len(b) - 4, tuple(b[-4:]))]
+    )
     torch.testing.assert_close(step_a, _hf_logits(tiny_target_dir, a)[-1:], atol=ATOL, rtol=0)
     torch.testing.assert_close(step_b, _hf_logits(tiny_target_dir, b)[-4:], atol=ATOL, rtol=0)
 

@@ -30,8 +30,18 @@ def test_noise_depends_on_seed_position_stream_and_token():
 
     base = bits(3, 17, noise.TARGET_STREAM, 5)
     assert base == bits(3, 17, noise.TARGET_STREAM, 5)
-    assert len({base, bits(4, 17, noise.TARGET_STREAM, 5), bits(3, 18, noise.TARGET_STREAM, 5),
-                bits(3, 17, noise.ACCEPT_STREAM, 5), bits(3, 17, noise.TARGET_STREAM, 6)}) == 5  # fmt: skip
+    assert (
+        len(
+            {
+                base,
+                bits(4, 17, noise.TARGET_STREAM, 5),
+                bits(3, 18, noise.TARGET_STREAM, 5),
+                bits(3, 17, noise.ACCEPT_STREAM, 5),
+                bits(3, 17, noise.TARGET_STREAM, 6),
+            }
+        )
+        == 5
+    )
     assert bits(3 + 2**40, 17, noise.TARGET_STREAM, 5) != base  # the seed's high bits count too
 
 
@@ -50,9 +60,11 @@ def test_gumbel_never_exceeds_its_bound():
     u = (noise.token_uniform(extreme).float() + 0.5) * 2.0**-noise.UNIFORM_BITS
     assert 0 < float(u.min()) and float(u.max()) < 1
     assert float((-torch.log(-torch.log(u))).max()) < noise.GUMBEL_MAX
-    assert math.isclose(noise.gumbel(5, 6, noise.TARGET_STREAM, 7),
-                        float(gumbel(torch.tensor([noise.row_key(5, 6, noise.TARGET_STREAM)]), torch.tensor([7]))[0]),
-                        rel_tol=1e-6)  # fmt: skip
+    assert math.isclose(
+        noise.gumbel(5, 6, noise.TARGET_STREAM, 7),
+        float(gumbel(torch.tensor([noise.row_key(5, 6, noise.TARGET_STREAM)]), torch.tensor([7]))[0]),
+        rel_tol=1e-6,
+    )
 
 
 def _dense_race(logits, temperature, floor, key):
@@ -102,8 +114,11 @@ def test_greedy_rows_beside_sampled_rows_keep_their_argmax():
 
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(4))
     greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
-    rows = [RowDraw(2, greedy, positions=(3, 4)), RowDraw(2, sampled, seed=5, positions=(3, 4)),
-            RowDraw(2, greedy, positions=(8, 9))]  # fmt: skip
+    rows = [
+        RowDraw(2, greedy, positions=(3, 4)),
+        RowDraw(2, sampled, seed=5, positions=(3, 4)),
+        RowDraw(2, greedy, positions=(8, 9)),
+    ]
     drawn = draw_rows(logits, rows)
     assert drawn[0] == logits[:2].argmax(-1).tolist() and drawn[2] == logits[4:].argmax(-1).tolist()
     assert drawn[1] == sample(logits[2:4], [3, 4], sampled, seed=5)

@@ -108,10 +108,16 @@ def test_streamed_chat_completion_with_usage_chunk(server, tokenizer, client, mo
     content = CHATS[2]
     prompt = chat_prompt(tokenizer, content)
     expected = server_only(server, tokenizer, prompt, 30)
-    chunks = list(client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": content}], max_tokens=30, temperature=0,
-        stream=True, stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     *text_chunks, finish_chunk, usage_chunk = chunks
     assert text_chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == text_of(tokenizer, expected)
@@ -159,8 +165,11 @@ def test_a_stop_string_cuts_the_answer_and_its_usage(server, tokenizer, client, 
     assert num_tokens < len(expected)
     request = dict(model=model, messages=[{"role": "user", "content": CHATS[1]}], max_tokens=40, temperature=0)
     if stream:
-        chunks = list(client.chat.completions.create(**request, stop=[stop, "never"], stream=True,
-                                                     stream_options={"include_usage": True}))  # fmt: skip
+        chunks = list(
+            client.chat.completions.create(
+                **request, stop=[stop, "never"], stream=True, stream_options={"include_usage": True}
+            )
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         finish, usage = chunks[-2].choices[0].finish_reason, chunks[-1].usage
     else:
@@ -327,7 +336,9 @@ def test_the_command_line_serves_and_stops_on_ctrl_c(server, tiny_draft_dir, tok
     stderr = "".join(api.stderr_lines)
     assert status == 130 and f"OpenAI-compatible API on {api.base_url}/v1" in stderr, stderr
     # The last word is the clean one-liner (a library may still log after it on a slow shutdown).
-    assert [line for line in api.stderr_lines if line.startswith("specedge-edge:")][-1] == "specedge-edge: interrupted\n"
+    assert [line for line in api.stderr_lines if line.startswith("specedge-edge:")][
+        -1
+    ] == "specedge-edge: interrupted\n"
     assert "Traceback" not in stderr, stderr
 
 

@@ -94,7 +94,9 @@ def test_proactive_hit_and_miss_leave_the_drafter_consistent(tiny_draft_dir, tin
         miss = ProactiveRound(worker, None, 0.0)
         miss.start(prompt, chain, guesses, depth=3)
         await _settled(miss, num_guesses=2, depth=3)
-        unguessed = (chain.token_ids[0], 7) if (chain.token_ids[0], 7) not in [p.committed for p in miss.predrafts] else (9,)
+        unguessed = (
+            (chain.token_ids[0], 7) if (chain.token_ids[0], 7) not in [p.committed for p in miss.predrafts] else (9,)
+        )
         assert await miss.finish(unguessed) is None
         evaluated.clear()
         context = [*prompt, *unguessed]
@@ -151,8 +153,10 @@ def test_predrafts_cut_sampled_chains_by_the_drafters_rule(tiny_draft_dir):
         chain = await worker.run(drafter.propose, prompt, 2, sampling)
         guesses = guess_outcomes(chain, max_guesses=3)
         # Where each guess leads when nothing stops it, and a min_prob that cuts some of those chains.
-        uncut = [await worker.run(drafter.propose, [*prompt, *committed], depth, sampling) for committed in
-                 [(*chain.token_ids[: g.num_accepted], g.bonus) for g in guesses if g.bonus is not None]]
+        uncut = [
+            await worker.run(drafter.propose, [*prompt, *committed], depth, sampling)
+            for committed in [(*chain.token_ids[: g.num_accepted], g.bonus) for g in guesses if g.bonus is not None]
+        ]
         min_prob = min_prob_between(uncut[0], quantile=0.25)
         assert any(keeps_an_unlikely_draw(c, min_prob) for c in uncut)  # else the test could not tell the rules apart
         round_ = ProactiveRound(worker, sampling, min_prob)

@@ -60,7 +60,9 @@ def test_same_winners_as_the_eager_race(scale, temperature):
 
 def test_same_winners_under_top_k_and_top_p_floors():
     logits = torch.randn(120, 3000, generator=torch.Generator().manual_seed(3)) * 4
-    compiled, eager = _race_both(logits, 1.3, top_k=[0, 1, 5, 50, 0, 2999] * 20, top_p=[1.0, 1.0, 1.0, 0.9, 0.3, 0.99] * 20)
+    compiled, eager = _race_both(
+        logits, 1.3, top_k=[0, 1, 5, 50, 0, 2999] * 20, top_p=[1.0, 1.0, 1.0, 0.9, 0.3, 0.99] * 20
+    )
     assert compiled == eager
     assert [compiled[i] for i in range(1, 120, 6)] == logits[1::6].argmax(-1).tolist()  # top-1 is the argmax
 
@@ -91,9 +93,13 @@ def test_argmax_and_finiteness_match_torch():
     logits[5, :3] = -0.0  # -0.0 == 0.0: the first zero is the argmax
     logits[6, 999] = -math.nan
     top, finite, drawn = race_kernel.argmax_and_race(
-        logits, None, np.zeros(8, np.bool_), torch.ones(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64),
+        logits,
+        None,
+        np.zeros(8, np.bool_),
+        torch.ones(8, dtype=torch.float64),
+        torch.zeros(8, dtype=torch.float64),
         torch.zeros(8, dtype=torch.long),
-    )  # fmt: skip
+    )
     values, expected = logits.max(dim=-1)
     assert finite.tolist() == torch.isfinite(values).tolist() == [True, False, False, False, True, True, False, True]
     assert [t for t, ok in zip(top.tolist(), finite.tolist()) if ok] == expected[finite].tolist()
@@ -120,7 +126,9 @@ def test_residuals_from_logits_are_the_dense_residuals():
     log_norms = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).double().logsumexp(dim=-1).tolist()
     for seed in range(5):
         positions = [seed * 100 + row for row in range(40)]
-        fast = residual_tokens(logits, list(range(40)), values, temperature, floors, log_norms, dists, [seed] * 40, positions)
+        fast = residual_tokens(
+            logits, list(range(40)), values, temperature, floors, log_norms, dists, [seed] * 40, positions
+        )
         dense = [residual_token(p[row], dists[row], seed, positions[row]) for row in range(40)]
         assert fast == dense
         assert fast[4] == int(logits[4].argmax())

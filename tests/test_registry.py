@@ -29,8 +29,7 @@ class FakeParts:
 
     def __init__(self, root: pathlib.Path, chunks: list[bytes], delay_s: float = 0.0):
         self.parts = tuple(
-            Part(f"fake-part{n}", "1.0", f"fake_part{n}", f"data/part{n:02d}.bin")
-            for n in range(1, len(chunks) + 1)
+            Part(f"fake-part{n}", "1.0", f"fake_part{n}", f"data/part{n:02d}.bin") for n in range(1, len(chunks) + 1)
         )
         self.files = {}
         for part, data in zip(self.parts, chunks):
@@ -307,7 +306,13 @@ def test_unknown_name_lists_known_names():
 
 def test_known_names_and_cache_dir(tmp_path, monkeypatch):
     assert registry.known_names() == [
-        "llama-3.2-1b", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-14b", "smollm2-135m"
+        "llama-3.2-1b",
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+        "qwen3-0.6b",
+        "qwen3-1.7b",
+        "qwen3-14b",
+        "smollm2-135m",
     ]
     monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path))
     assert registry.default_cache_dir() == tmp_path
@@ -327,9 +332,13 @@ def hub_offline(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     ("alias", "hub_id"),
-    [("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct"), ("qwen3-14b", "Qwen/Qwen3-14B"),
-     ("qwen3-1.7b", "Qwen/Qwen3-1.7B"), ("qwen3-0.6b", "Qwen/Qwen3-0.6B")],
-)  # fmt: skip
+    [
+        ("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct"),
+        ("qwen3-14b", "Qwen/Qwen3-14B"),
+        ("qwen3-1.7b", "Qwen/Qwen3-1.7B"),
+        ("qwen3-0.6b", "Qwen/Qwen3-0.6B"),
+    ],
+)
 def test_hub_alias_offline_says_how_to_use_a_local_copy(hub_offline, alias, hub_id):
     with pytest.raises(RegistryError) as excinfo:
         resolve(alias)
@@ -353,9 +362,7 @@ def test_org_slash_name_is_tried_as_a_hub_id(hub_offline, tmp_path, monkeypatch)
 def test_hub_snapshot_is_returned_as_hf(hub_offline, tmp_path):
     import huggingface_hub
 
-    snapshot = pathlib.Path(
-        huggingface_hub.constants.HF_HUB_CACHE, "models--some-org--cached", "snapshots", "0" * 40
-    )
+    snapshot = pathlib.Path(huggingface_hub.constants.HF_HUB_CACHE, "models--some-org--cached", "snapshots", "0" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
     refs = snapshot.parents[1] / "refs"

@@ -145,9 +145,17 @@ def test_seeded_request_is_the_same_whatever_the_draft_length_or_advice(server, 
 def test_a_draft_model_equal_to_the_target_has_every_coupled_draft_accepted(server, tokenizer, prompt, drafters):
     """The coupling's positions line up: with the target's own weights, a coupled draft is its sample."""
     answer, rounds = generate(
-        server, tokenizer, prompt, drafters["target"], sampling=SamplingParams(temperature=0.8), seed=3,
-        max_new_tokens=60, num_draft=4, follow_advice=False, proactive=False,
-    )  # fmt: skip
+        server,
+        tokenizer,
+        prompt,
+        drafters["target"],
+        sampling=SamplingParams(temperature=0.8),
+        seed=3,
+        max_new_tokens=60,
+        num_draft=4,
+        follow_advice=False,
+        proactive=False,
+    )
     assert len(rounds) > 3
     # Every round but the last (a stop or the length limit may cut it) accepts every draft.
     for draft, reply in rounds[:-1]:

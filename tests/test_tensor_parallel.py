@@ -43,9 +43,18 @@ ATOL = 1e-4  # all-reduce sums partial products in another order than one matmul
 
 def _args(**overrides) -> ModelArgs:
     base = dict(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=2, num_heads=12, num_kv_heads=2,
-        head_dim=128, rms_norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=False, max_position_embeddings=4096,
-    )  # fmt: skip
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=2,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
     return ModelArgs(**{**base, **overrides})
 
 
@@ -96,9 +105,13 @@ def runners(request, tmp_path_factory, tiny_target_dir):
         model_dir = request.getfixturevalue("tiny_qwen3_dir")
     else:
         model_dir = save_tiny_model(
-            tmp_path_factory.mktemp("tiny-kv1"), seed=4, arch="llama", num_kv_heads=1, vocab_size=387,
+            tmp_path_factory.mktemp("tiny-kv1"),
+            seed=4,
+            arch="llama",
+            num_kv_heads=1,
+            vocab_size=387,
             tie_word_embeddings=True,
-        )  # fmt: skip
+        )
     whole = load_target(ResolvedModel("tiny", "hf", model_dir), device=CPU, dtype=torch.float32).model
     config = ParallelConfig(tp=2, collective_timeout_s=60, exit_on_failure=False)
     group = RankGroup.launch(config, model_dir, device_type="cpu", dtype=torch.float32)
@@ -139,11 +152,14 @@ def test_prefill_mixed_batch_and_tree_logits_match_one_process(runners):
     # Prefill: a full prompt (every position), and a chunked one (last position only).
     _same_logits(runners, [ForwardRequest(0, 0, a), ForwardRequest(1, 0, b[:8], all_logits=False)])
     # A mixed batch: a decode step, a 4-token chain, the next prefill chunk, a new prompt.
-    _same_logits(runners, [
-        ForwardRequest(0, len(a), (7,)),
-        ForwardRequest(1, 8, b[8:]),
-        ForwardRequest(2, 0, c[:20], all_logits=False),
-    ])  # fmt: skip
+    _same_logits(
+        runners,
+        [
+            ForwardRequest(0, len(a), (7,)),
+            ForwardRequest(1, 8, b[8:]),
+            ForwardRequest(2, 0, c[:20], all_logits=False),
+        ],
+    )
     # A tree (root -> 50 -> 51, root -> 60 -> 61), then its accepted path moved together, on every rank.
     [tree] = _same_logits(runners, [ForwardRequest(2, 20, (c[20], 50, 51, 60, 61), tree_parents=(0, 1, 0, 3))])
     assert tree.shape[0] == 5
@@ -235,8 +251,10 @@ def test_torchrun_launches_the_same_server(tiny_target_dir, tp1_outputs, tiny_dr
 def test_bad_tp_fails_at_start_in_one_line(tiny_target_dir):
     result = subprocess.run(
         [f"{BIN}/specedge-server", "--model", str(tiny_target_dir), "--tp", "3", "--device", "cpu"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "specedge-server: --tp 3 does not divide the model's 4 attention heads; use one of 1, 2, 4"
@@ -263,9 +281,10 @@ def test_killing_a_rank_stops_the_server_and_in_flight_edges_see_unavailable(tin
             async with grpc.aio.insecure_channel(address) as channel:
                 stub = specedge_pb2_grpc.SpecEdgeStub(channel)
                 request = pb.GenerateRequest(
-                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint), prompt_token_ids=prompt,
+                    tokenizer=wire.fingerprint_to_proto(tokenizer.fingerprint),
+                    prompt_token_ids=prompt,
                     max_new_tokens=250,
-                )  # fmt: skip
+                )
                 call = stub.Generate(request)
                 await call.read()  # the stream is in flight
                 os.kill(worker_pid, signal.SIGKILL)
@@ -295,12 +314,21 @@ def test_killing_a_rank_stops_the_server_and_in_flight_edges_see_unavailable(tin
 def test_real_target_with_tp2_serves_the_real_edge_losslessly():
     process, address = start_server_process("--model", "qwen2.5-coder-1.5b", "--tp", "2", "--device", "cpu")
     try:
-        common = ["--server", address, "--prompt", "Write a Python function that adds two numbers.",
-                  "--max-tokens", "24", "--json"]  # fmt: skip
+        common = [
+            "--server",
+            address,
+            "--prompt",
+            "Write a Python function that adds two numbers.",
+            "--max-tokens",
+            "24",
+            "--json",
+        ]
         speculative = subprocess.run(
             [f"{BIN}/specedge-edge", "--draft", "qwen2.5-coder-0.5b", "--num-draft", "4", *common],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         alone = subprocess.run(
             [f"{BIN}/specedge-edge", "--server-only", *common], capture_output=True, text=True, timeout=600
         )

@@ -12,10 +12,19 @@ from specedge.types import FinishReason, SparseDist
 from specedge.v1 import specedge_pb2 as pb
 
 LIMITS = pb.ServerLimits(
-    max_context_tokens=512, max_draft_tokens=16, max_sessions=8, max_prompt_tokens=400, max_draft_prob_tokens=20,
-    max_sessions_per_identity=4, max_rounds_per_second=12.5, round_burst=3, max_message_bytes=1 << 20,
-    idle_session_timeout_s=30.0, idle_connection_timeout_s=2.5, max_attach_streams_per_identity=2,
-)  # fmt: skip
+    max_context_tokens=512,
+    max_draft_tokens=16,
+    max_sessions=8,
+    max_prompt_tokens=400,
+    max_draft_prob_tokens=20,
+    max_sessions_per_identity=4,
+    max_rounds_per_second=12.5,
+    round_burst=3,
+    max_message_bytes=1 << 20,
+    idle_session_timeout_s=30.0,
+    idle_connection_timeout_s=2.5,
+    max_attach_streams_per_identity=2,
+)
 
 
 @pytest.mark.parametrize(
@@ -30,25 +39,40 @@ def test_a_typed_reply_names_every_field_of_its_message(typed, message):
 
 def test_replies_convert_field_by_field():
     handshake = pb.HandshakeResponse(
-        protocol_version=1, server_version="0.1.0", model_name="tiny",
+        protocol_version=1,
+        server_version="0.1.0",
+        model_name="tiny",
         target_tokenizer=pb.TokenizerFingerprint(vocab_size=300, num_tokens=300, vocab_sha256="ab", eos_token_ids=[2]),
         limits=LIMITS,
-    )  # fmt: skip
+    )
     info = wire.server_info_from_proto(handshake)
-    assert (info.model_name, info.target_tokenizer.vocab_size, info.target_tokenizer.bos_token_id) == ("tiny", 300, None)
+    assert (info.model_name, info.target_tokenizer.vocab_size, info.target_tokenizer.bos_token_id) == (
+        "tiny",
+        300,
+        None,
+    )
     assert info.limits.max_rounds_per_second == 12.5 and info.limits.max_attach_streams_per_identity == 2
 
     opened = wire.opened_from_proto(
-        pb.OpenSessionResponse(session_id="s", first_token_id=7, finish_reason=pb.FINISH_REASON_LENGTH, limits=LIMITS,
-                               advised_draft_tokens=3)  # fmt: skip
+        pb.OpenSessionResponse(
+            session_id="s",
+            first_token_id=7,
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            limits=LIMITS,
+            advised_draft_tokens=3,
+        )
     )
     assert opened == OpenedSession("s", 7, FinishReason.LENGTH, info.limits, 3)
 
     reply = wire.round_reply_from_proto(
         pb.VerifyResponse(
-            accepted_nodes=[1, 3], token_ids=[5, 6, 9], finish_reason=pb.FINISH_REASON_STOP, num_generated=4,
-            advised_draft_tokens=2, timing=pb.RoundTiming(queue_ms=1.5, forward_ms=20.0, batch_size=3, batch_tokens=11),
-        )  # fmt: skip
+            accepted_nodes=[1, 3],
+            token_ids=[5, 6, 9],
+            finish_reason=pb.FINISH_REASON_STOP,
+            num_generated=4,
+            advised_draft_tokens=2,
+            timing=pb.RoundTiming(queue_ms=1.5, forward_ms=20.0, batch_size=3, batch_tokens=11),
+        )
     )
     assert (reply.accepted_nodes, reply.token_ids, reply.finish) == ((1, 3), (5, 6, 9), FinishReason.STOP)
     assert (reply.timing.forward_ms, reply.timing.batch_tokens) == (20.0, 11)

@@ -25,7 +25,7 @@ TRAINING_TEXT = [
     "Speculative decoding drafts tokens on the edge and verifies them on the server.",
     "안녕하세요, 반갑습니다. Hello, nice to meet you!",
     "for i in range(10):\n    print(i * i)\n",
-    "{\"name\": \"specedge\", \"tokens\": [1, 2, 3]}",
+    '{"name": "specedge", "tokens": [1, 2, 3]}',
 ]
 
 

@@ -1,7 +1,7 @@
 """`specedge-chat`: open the desktop chat window.
 
-    specedge-chat                               remembered settings (first run: 127.0.0.1:50051, qwen2.5-coder-0.5b)
-    specedge-chat --server HOST:PORT --draft M  these instead (and remembered from now on)
+specedge-chat                               remembered settings (first run: 127.0.0.1:50051, qwen2.5-coder-0.5b)
+specedge-chat --server HOST:PORT --draft M  these instead (and remembered from now on)
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specedge-chat", description="SpecEdge desktop chat.")
     parser.add_argument("--server", default=None, help="HOST:PORT of specedge-server (default: the remembered one)")
     parser.add_argument("--draft", default=None, help="built-in name or .gguf file (default: the remembered one)")
-    parser.add_argument("--data-dir", type=pathlib.Path, default=None,
-                        help="where conversations are kept (default: the user's data directory)")  # fmt: skip
+    parser.add_argument(
+        "--data-dir",
+        type=pathlib.Path,
+        default=None,
+        help="where conversations are kept (default: the user's data directory)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for the draft model")
     parser.add_argument("--log-level", default="warning", help="log level of messages on stderr")
     return parser.parse_args(argv)
@@ -88,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             store = ChatStore(data_dir / "chat.sqlite3")
             remembered = load_settings(store)
             store.close()
-            settings = dataclasses.replace(remembered, server=args.server or remembered.server,
-                                           draft=args.draft or remembered.draft)  # fmt: skip
+            settings = dataclasses.replace(
+                remembered, server=args.server or remembered.server, draft=args.draft or remembered.draft
+            )
         window = MainWindow(DesktopConfig(data_dir, WorkerConfig(threads=args.threads), settings))
     except (StoreError, ValueError) as exc:
         print(f"specedge-chat: {exc}", file=sys.stderr)

@@ -64,9 +64,12 @@ class ChatSettings:
         if not self.use_tls:
             return ChannelSecurity(token=self.token or None)
         return ChannelSecurity(
-            token=self.token or None, tls=True,
-            tls_ca=self.tls_ca or None, tls_cert=self.tls_cert or None, tls_key=self.tls_key or None,
-        )  # fmt: skip
+            token=self.token or None,
+            tls=True,
+            tls_ca=self.tls_ca or None,
+            tls_cert=self.tls_cert or None,
+            tls_key=self.tls_key or None,
+        )
 
     def broker(self):
         """The fleet broker (specedge.fleet.broker.BrokerConfig), or None without one."""

@@ -59,15 +59,20 @@ class SettingsPanel(QWidget):
         self.tls = QGroupBox("Use TLS")
         self.tls.setCheckable(True)
         self.tls.setChecked(settings.use_tls)
-        self.tls_ca, self.tls_cert, self.tls_key = (QLineEdit(settings.tls_ca), QLineEdit(settings.tls_cert),
-                                                    QLineEdit(settings.tls_key))  # fmt: skip
+        self.tls_ca, self.tls_cert, self.tls_key = (
+            QLineEdit(settings.tls_ca),
+            QLineEdit(settings.tls_cert),
+            QLineEdit(settings.tls_key),
+        )
         self.tls_ca.setPlaceholderText("the system's CAs")
         self.tls_cert.setPlaceholderText("none (only for mutual TLS)")
         self.tls_key.setPlaceholderText("none")
         tls_form = QFormLayout(self.tls)
-        for label, field, title in [("CA file", self.tls_ca, "The CA that signed the server's certificate"),
-                                    ("Client cert", self.tls_cert, "Your client certificate"),
-                                    ("Client key", self.tls_key, "Your client certificate's key")]:  # fmt: skip
+        for label, field, title in [
+            ("CA file", self.tls_ca, "The CA that signed the server's certificate"),
+            ("Client cert", self.tls_cert, "Your client certificate"),
+            ("Client key", self.tls_key, "Your client certificate's key"),
+        ]:
             tls_form.addRow(label, _with_browse(field, lambda _=False, f=field, t=title: self._pick(f, t, PEM_FILES)))
         self.draft = QComboBox()
         self.draft.setEditable(True)  # a path typed or picked, besides the built-in names

@@ -109,7 +109,9 @@ class ChatStore:
         return row[0] if row else ""
 
     def rename(self, conversation_id: int, title: str) -> None:
-        self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title.strip() or DEFAULT_TITLE, conversation_id))
+        self._db.execute(
+            "UPDATE conversations SET title = ? WHERE id = ?", (title.strip() or DEFAULT_TITLE, conversation_id)
+        )
 
     def delete_conversation(self, conversation_id: int) -> None:
         self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
@@ -124,8 +126,10 @@ class ChatStore:
             "SELECT id, role, content, status, stats FROM messages WHERE conversation_id = ? ORDER BY id",
             (conversation_id,),
         )
-        return [Message(id, role, content, status, json.loads(stats) if stats else None)
-                for id, role, content, status, stats in rows]  # fmt: skip
+        return [
+            Message(id, role, content, status, json.loads(stats) if stats else None)
+            for id, role, content, status, stats in rows
+        ]
 
     def add_message(self, conversation_id: int, role: str, content: str, status: str = DONE) -> int:
         if status not in STATUSES:

@@ -91,7 +91,9 @@ def _shade_code_blocks(document, start: int, end: int) -> None:
     block = document.findBlock(start)
     while block.isValid() and block.position() <= end:
         fmt = block.blockFormat()
-        if fmt.hasProperty(QTextFormat.Property.BlockCodeFence) or fmt.hasProperty(QTextFormat.Property.BlockCodeLanguage):
+        if fmt.hasProperty(QTextFormat.Property.BlockCodeFence) or fmt.hasProperty(
+            QTextFormat.Property.BlockCodeLanguage
+        ):
             fmt.setBackground(CODE_BACKGROUND)
             fmt.setLeftMargin(8)
             QTextCursor(block).setBlockFormat(fmt)

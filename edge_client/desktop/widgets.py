@@ -51,7 +51,10 @@ class Composer(QWidget):
         super().__init__(parent)
         self.input = ChatInput()
         self.send_button, self.stop_button, self.regenerate_button = (
-            QPushButton("Send"), QPushButton("Stop"), QPushButton("Regenerate"))  # fmt: skip
+            QPushButton("Send"),
+            QPushButton("Stop"),
+            QPushButton("Regenerate"),
+        )
         buttons = QVBoxLayout()
         for button in (self.send_button, self.stop_button, self.regenerate_button):
             buttons.addWidget(button)
@@ -90,7 +93,10 @@ class ConversationList(QWidget):
         self.list = QListWidget()
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)  # long titles are elided
         self.new_button, self.rename_button, self.delete_button = (
-            QPushButton("New"), QPushButton("Rename"), QPushButton("Delete"))  # fmt: skip
+            QPushButton("New"),
+            QPushButton("Rename"),
+            QPushButton("Delete"),
+        )
         buttons = QHBoxLayout()
         for button in (self.new_button, self.rename_button, self.delete_button):
             buttons.addWidget(button)
@@ -131,14 +137,23 @@ class ConversationList(QWidget):
 
 
 STATE_COLORS = {
-    State.PREPARING: "#9a6700", State.CONNECTING: "#9a6700", State.CONNECTED: "#1a7f37",
-    State.INCOMPATIBLE: "#b00020", State.REFUSED: "#b00020", State.OFFLINE: "#b00020", State.ERROR: "#b00020",
-}  # fmt: skip
+    State.PREPARING: "#9a6700",
+    State.CONNECTING: "#9a6700",
+    State.CONNECTED: "#1a7f37",
+    State.INCOMPATIBLE: "#b00020",
+    State.REFUSED: "#b00020",
+    State.OFFLINE: "#b00020",
+    State.ERROR: "#b00020",
+}
 STATE_WORDS = {
-    State.PREPARING: "Preparing", State.CONNECTING: "Connecting", State.CONNECTED: "Connected",
-    State.INCOMPATIBLE: "Incompatible draft", State.REFUSED: "Refused", State.OFFLINE: "Offline",
+    State.PREPARING: "Preparing",
+    State.CONNECTING: "Connecting",
+    State.CONNECTED: "Connected",
+    State.INCOMPATIBLE: "Incompatible draft",
+    State.REFUSED: "Refused",
+    State.OFFLINE: "Offline",
     State.ERROR: "Cannot start",
-}  # fmt: skip
+}
 
 
 class ConnectionBar(QWidget):
@@ -185,13 +200,17 @@ class Sparkline(QWidget):
         painter.fillRect(self.rect(), QColor("#fafafa"))
         peak = max(self.values, default=0.0)
         painter.setPen(QColor("#6b7280"))
-        painter.drawText(self.rect().adjusted(4, 0, -4, 0), Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft,
-                         f"tokens/s, peak {peak:.3g}" if peak else "tokens/s")  # fmt: skip
+        painter.drawText(
+            self.rect().adjusted(4, 0, -4, 0),
+            Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft,
+            f"tokens/s, peak {peak:.3g}" if peak else "tokens/s",
+        )
         if len(self.values) < 2 or peak <= 0:
             return
         step = rect.width() / (len(self.values) - 1)
-        points = [QPointF(rect.left() + i * step, rect.bottom() - v / peak * rect.height())
-                  for i, v in enumerate(self.values)]  # fmt: skip
+        points = [
+            QPointF(rect.left() + i * step, rect.bottom() - v / peak * rect.height()) for i, v in enumerate(self.values)
+        ]
         area = QPainterPath(QPointF(rect.left(), rect.bottom()))
         for point in points:
             area.lineTo(point)

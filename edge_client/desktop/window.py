@@ -24,8 +24,12 @@ from specedge.edge_client.desktop.transcript import Transcript
 from specedge.edge_client.desktop.widgets import Composer, ConnectionBar, ConversationList, ErrorBanner, StatsPanel
 from specedge.edge_client.desktop.worker import EdgeWorker, State, WorkerConfig
 
-STORED_STATUS = {outcomes.DONE: DONE, outcomes.STOPPED: STOPPED,
-                 outcomes.INTERRUPTED: INTERRUPTED, outcomes.FAILED: INTERRUPTED}  # fmt: skip
+STORED_STATUS = {
+    outcomes.DONE: DONE,
+    outcomes.STOPPED: STOPPED,
+    outcomes.INTERRUPTED: INTERRUPTED,
+    outcomes.FAILED: INTERRUPTED,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +88,11 @@ class MainWindow(QMainWindow):
         self.transcript = Transcript()
         composer = Composer()
         self.input, self.send_button, self.stop_button, self.regenerate_button = (
-            composer.input, composer.send_button, composer.stop_button, composer.regenerate_button)  # fmt: skip
+            composer.input,
+            composer.send_button,
+            composer.stop_button,
+            composer.regenerate_button,
+        )
         chat = QWidget()
         column = QVBoxLayout(chat)
         for widget in (self.connection, self.progress, self.error):
@@ -121,7 +129,8 @@ class MainWindow(QMainWindow):
         self.conversations.renamed.connect(self.rename_conversation)
         self.conversations.deleted.connect(self.delete_conversation)
         self.conversations.list.currentItemChanged.connect(
-            lambda item, _: self.select(item.data(Qt.ItemDataRole.UserRole)) if item is not None else None)  # fmt: skip
+            lambda item, _: self.select(item.data(Qt.ItemDataRole.UserRole)) if item is not None else None
+        )
 
     # -- conversations -----------------------------------------------------
 

@@ -39,6 +39,7 @@ from specedge.types import PROB_SUM_TOLERANCE, SamplingParams, SparseDist  # noq
 
 DEFAULT_DRAFT_TOP_K = 20
 
+
 @dataclasses.dataclass(frozen=True)
 class DraftSampling:
     """How to sample drafts instead of taking the argmax."""

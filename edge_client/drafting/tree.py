@@ -37,7 +37,9 @@ class TreeGrower:
         self.min_prob = min_prob
         self._nodes: list[_Node] = []  # node n is self._nodes[n - 1]
 
-    def grow(self, frontier: Sequence[int], top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[float]]) -> list[int]:
+    def grow(
+        self, frontier: Sequence[int], top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[float]]
+    ) -> list[int]:
         """Add the children of `frontier` (top candidates of each, likeliest first); return the next frontier."""
         level: list[int] = []
         for parent, ids, probs in zip(frontier, top_ids, top_probs):
