@@ -19,6 +19,8 @@ server_pin=() edge_pin=() edge_threads=()
 if [ "$cpus" -ge 2 ] && command -v taskset >/dev/null; then
     half=$((cpus / 2))
     server_cpus="0-$((half - 1))" edge_cpus="$half-$((cpus - 1))"
+    [ "$half" -eq 1 ] && server_cpus=0
+    [ "$cpus" -eq $((half + 1)) ] && edge_cpus="$half"
     server_pin=(taskset -c "$server_cpus")
     edge_pin=(taskset -c "$edge_cpus")
     edge_threads=(--threads "$((cpus - half))")
