@@ -85,12 +85,14 @@ class ServerProcess:
 
     def scrape_cost_points(self) -> list[tuple[float, float]]:
         """The server's measured forward cost per token-count bucket: (tokens, seconds), by tokens."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).read().decode()
+        text = self._metrics_text()
         return sorted((float(t), float(s)) for t, s in _COST_POINT.findall(text))
 
     def scrape(self) -> ServerCounters:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).read().decode()
-        return ServerCounters.parse(text)
+        return ServerCounters.parse(self._metrics_text())
+
+    def _metrics_text(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).read().decode()
 
 
 _METRICS = {

@@ -95,23 +95,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def proactive_default(args: argparse.Namespace) -> bool:
-    """Proactive drafting unless the server shares this machine: there, drafting ahead takes the cores the
-    verify it waits for runs on (measured in the README, 'One box'). A discovered server counts as remote."""
-    from specedge.net import on_this_machine
-
-    if args.server is None and args.discover is not None:
-        return True
-    return not on_this_machine(args.server or DEFAULT_SERVER)
-
-
 def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
     from specedge.edge_client.channel import ChannelSecurity
     from specedge.edge_client.client import ConnectionConfig
     from specedge.edge_client.drafting.base import TreeBudget
-    from specedge.edge_client.policy import SpeculationPolicy
+    from specedge.edge_client.policy import SpeculationPolicy, proactive_by_default
     from specedge.edge_client.runtime import RuntimeConfig
 
+    proactive = args.proactive
+    if proactive is None:  # the user did not say
+        proactive = proactive_by_default(
+            args.server or DEFAULT_SERVER, args.server is None and args.discover is not None
+        )
     policy = SpeculationPolicy(
         num_draft=0 if args.server_only else args.num_draft,
         max_new_tokens=args.max_tokens or default_max_tokens,
@@ -119,7 +114,7 @@ def runtime_config(args: argparse.Namespace, default_max_tokens: int = 128):
         seed=args.seed,
         draft_p_min=args.draft_p_min,
         tree=TreeBudget(args.tree_depth, args.tree_width, args.tree_nodes) if args.tree else None,
-        proactive=proactive_default(args) if args.proactive is None else args.proactive,
+        proactive=proactive,
         slow_draft_fallback=not args.no_fallback,
     )
     connection = ConnectionConfig(

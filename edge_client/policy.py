@@ -52,3 +52,12 @@ class SpeculationPolicy:
             raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min}")
         if self.max_guesses < 1:
             raise ValueError(f"max_guesses must be >= 1, got {self.max_guesses}")
+
+
+def proactive_by_default(server: str | None, discovered: bool = False) -> bool:
+    """Whether to draft ahead when the user has not said: yes, unless the server shares this machine,
+    where drafting ahead takes the cores the verify it waits for runs on (README, 'One box'). A server
+    found through the fleet broker, or none named, counts as remote."""
+    from specedge.net import on_this_machine
+
+    return discovered or server is None or not on_this_machine(server)

@@ -18,7 +18,7 @@ import json
 
 from specedge.edge_client.channel import ChannelSecurity
 from specedge.edge_client.client import ConnectionConfig
-from specedge.edge_client.policy import SpeculationPolicy
+from specedge.edge_client.policy import SpeculationPolicy, proactive_by_default
 from specedge.edge_client.runtime import RuntimeConfig
 from specedge.types import SamplingParams
 
@@ -107,12 +107,9 @@ class ChatSettings:
     def policy(self, base: SpeculationPolicy) -> SpeculationPolicy:
         """`base` (the app's drafting options) with this answer's sampling and length; no proactive drafting
         for a server on this machine (it would slow the verify it waits for: README, 'One box')."""
-        from specedge.net import on_this_machine
-
-        local = bool(self.server) and not self.fleet_broker and on_this_machine(self.server)
         return dataclasses.replace(
             base,
-            proactive=base.proactive and not local,
+            proactive=base.proactive and proactive_by_default(self.server or None, discovered=bool(self.fleet_broker)),
             max_new_tokens=self.max_tokens,
             sampling=SamplingParams(temperature=self.temperature),
             num_draft=0 if self.server_only else base.num_draft,
