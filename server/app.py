@@ -17,6 +17,7 @@ from specedge.registry import resolve
 from specedge.scheduler import slots_within_budget
 from specedge.server.attention import ATTENTION_KINDS, resolve_attention
 from specedge.server.auth import Authenticator
+from specedge.server.cuda_graphs import GraphedRunner, graphs_unavailable
 from specedge.server.decoding import LenientDecoding
 from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.engine import Engine, EngineConfig
@@ -56,6 +57,9 @@ class ServerConfig:
     matmul: str = "auto"
     # How rows attend to their KV slots (server/attention.py): auto (flex on CUDA, rows elsewhere), rows, flex.
     attention: str = "auto"
+    # Replay one CUDA graph per token-count bucket for steps of up to 128 tokens (server/cuda_graphs.py),
+    # where the device, attention and parallelism allow it; False: every step runs eagerly.
+    cuda_graphs: bool = True
     max_context: int | None = None  # default: min(4096, the model's max positions)
     engine: EngineConfig = EngineConfig()
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None = off, 0 picks a free port
@@ -207,7 +211,10 @@ class SpecEdgeServer:
                 f"a request within the limits may take {largest_request} bytes, more than the message size limit "
                 f"of {config.transport.max_message_bytes}; raise --max-message-bytes or lower the token limits"
             )
-        kv = KVCache(target.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
+        no_graphs = graphs_unavailable(device, target.model.attention, self.ranks is not None)
+        use_graphs = config.cuda_graphs and no_graphs is None
+        # With graphs, one slot more than the engine hands out: the scratch slot that padding tokens write to.
+        kv = KVCache(target.model, num_slots=num_slots + use_graphs, max_len=max_context, device=device, dtype=dtype)
         log.info(
             "loaded %s on %s (%s, %s matrix products, %s attention) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
             target.name,
@@ -216,12 +223,12 @@ class SpecEdgeServer:
             target.matmul,
             target.model.attention,
             time.monotonic() - started,
-            kv.num_slots,
+            num_slots,
             kv.max_len,
             bytes_per_slot * kv.num_slots / 2**30,
         )
         self.stats = ServerStats(per_identity=config.metrics_per_identity)  # the engine reports; metrics.py exports
-        self.stats.set_sessions(active=0, slots_used=0, slots_free=kv.num_slots)
+        self.stats.set_sessions(active=0, slots_used=0, slots_free=num_slots)
         server_drafter = None
         if draft is not None:
             draft_kv = KVCache(draft.model, num_slots=num_slots, max_len=max_context, device=device, dtype=dtype)
@@ -231,6 +238,17 @@ class SpecEdgeServer:
         if self.ranks is not None:
             self.ranks.start_serving(num_slots, max_context)
             runner = TensorParallelRunner(local, self.ranks)
+        if use_graphs:
+            graphed = GraphedRunner(local)
+            log.info(
+                "CUDA graphs: %d buckets (%s tokens) captured in %.1f s; larger steps run eagerly",
+                len(graphed.buckets),
+                ", ".join(map(str, graphed.buckets)),
+                graphed.capture(),
+            )
+            runner = graphed
+        elif device.type == "cuda":
+            log.info("CUDA graphs off: %s", "--no-cuda-graphs" if no_graphs is None else no_graphs)
         self.engine = Engine(runner, target, engine_config, stats=self.stats, server_drafter=server_drafter)
         self.engine.calibrate()  # the step budget's first cost curve, logged
 

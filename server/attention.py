@@ -61,32 +61,58 @@ def flex_layout(
     num_slots: int,
     max_len: int,
 ) -> FlexLayout:
-    """The block mask: query i sees key (slot, pos) when slot is its own and pos is cached, or pos is one of
-    its row's new tokens that its chain (pos <= its own) or tree (tree_table) lets it see."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    width = 1 if tree_table is None else tree_table.shape[1]
+    """The step's block mask (see flex_block_mask)."""
     is_tree = torch.zeros_like(kv_slots, dtype=torch.bool) if tree_table is None else tree_table.any(dim=1)
     table = (
         tree_table
         if tree_table is not None
         else torch.zeros(kv_slots.shape[0], 1, dtype=torch.bool, device=kv_slots.device)
     )
+    return FlexLayout(
+        flex_block_mask(
+            kv_slots=kv_slots,
+            kv_positions=kv_positions,
+            row_bases=row_bases,
+            is_tree=is_tree,
+            tree_table=table,
+            num_slots=num_slots,
+            max_len=max_len,
+        )
+    )
+
+
+def flex_block_mask(
+    *,
+    kv_slots: torch.Tensor,  # [N]
+    kv_positions: torch.Tensor,  # [N]
+    row_bases: torch.Tensor,  # [N]
+    is_tree: torch.Tensor,  # [N] bool: the query's row is a tree (tree_table applies), else a chain
+    tree_table: torch.Tensor,  # [N, W] bool
+    num_slots: int,
+    max_len: int,
+):  # -> torch.nn.attention.flex_attention.BlockMask
+    """Query i sees key (slot, pos) when slot is its own and pos is cached, or pos is one of its row's new
+    tokens that its chain (pos <= its own) or tree (tree_table) lets it see.
+
+    The mask reads the tensors passed here whenever a kernel evaluates it, so a caller that refills them in
+    place (server/cuda_graphs.py) gets a mask for the new step from the same closure."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    width = tree_table.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
         slot, pos = kv_idx // max_len, kv_idx % max_len
         base = row_bases[q_idx]
         rel = pos - base
-        in_tree = table[q_idx, rel.clamp(0, width - 1)] & (rel < width)
+        in_tree = tree_table[q_idx, rel.clamp(0, width - 1)] & (rel < width)
         new_ok = torch.where(is_tree[q_idx], in_tree, pos <= kv_positions[q_idx])
         return (slot == kv_slots[q_idx]) & ((pos < base) | ((rel >= 0) & new_ok))
 
     device = kv_slots.device
     num_tokens = kv_slots.shape[0]
-    mask = create_block_mask(
+    return create_block_mask(
         mask_mod, None, None, num_tokens, num_slots * max_len, device=device, _compile=device.type == "cuda"
     )
-    return FlexLayout(mask)
 
 
 def flex_attention(

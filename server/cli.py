@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "rows", "flex"],
         help="attention: auto (one FlexAttention call per step on CUDA, one call per row on CPU), rows, flex",
     )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA, run every step eagerly instead of replaying one captured graph per token-count bucket",
+    )
     parser.add_argument("--max-sessions", type=int, default=8, help="KV slots, i.e. concurrent sessions")
     parser.add_argument("--max-context", type=int, default=None, help="tokens per session (default 4096)")
     parser.add_argument("--max-draft-tokens", type=int, default=64, help="draft nodes accepted per round")
@@ -174,6 +180,7 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
         dtype=args.dtype,
         matmul=args.matmul,
         attention=args.attention,
+        cuda_graphs=args.cuda_graphs,
         max_context=args.max_context,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,

@@ -47,6 +47,42 @@ class KVMove:
     dst: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """A step's requests flattened on the host, one entry per packed token (logit_indices: per logit)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    kv_slots: list[int]
+    kv_positions: list[int]
+    row_bases: list[int]  # each token's row's first new position (the row's cached length)
+    logit_indices: list[int]
+    cu_num_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def of(cls, requests: Sequence[ForwardRequest], max_len: int) -> PackedRows:
+        rows = cls([], [], [], [], [], [], [0])
+        for r in requests:
+            num_new, start = len(r.token_ids), r.num_cached
+            if start + num_new > max_len:
+                # Checked here so that no out-of-range index ever reaches a kernel (on CUDA, a
+                # device-side assert would poison the context for every session).
+                raise ValueError(f"{start} cached + {num_new} new tokens exceed the slot's {max_len}")
+            offset = rows.cu_num_tokens[-1]
+            rows.token_ids.extend(r.token_ids)
+            rows.positions.extend(r.positions)
+            rows.kv_slots.extend([r.slot] * num_new)
+            rows.kv_positions.extend(range(start, start + num_new))
+            rows.row_bases.extend([start] * num_new)
+            rows.logit_indices.extend(range(offset, offset + num_new) if r.all_logits else [offset + num_new - 1])
+            rows.cu_num_tokens.append(offset + num_new)
+        return rows
+
+
 class KVCache:
     """Preallocated per-session KV slots: [num_slots, max_len, kv_heads, head_dim] per layer.
 
@@ -80,9 +116,14 @@ class KVCache:
 class Runner(Protocol):
     """What the engine runs steps on: a ModelRunner, or server/tp_runner.py's TensorParallelRunner."""
 
-    model: CausalLM
-    kv: KVCache
-    device: torch.device
+    @property
+    def model(self) -> CausalLM: ...
+
+    @property
+    def kv(self) -> KVCache: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
     def forward_packed(self, requests: Sequence[ForwardRequest]) -> torch.Tensor | None: ...
 
@@ -117,52 +158,31 @@ class ModelRunner:
 
     def _layout(self, requests: Sequence[ForwardRequest]) -> StepBatch:
         """Pack the requests' tokens into one flat batch (see StepBatch)."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        kv_slots: list[int] = []
-        kv_positions: list[int] = []
-        logit_indices: list[int] = []
-        cu_num_tokens = [0]
-        row_masks: list[torch.Tensor | None] = []
-        row_bases: list[int] = []
-        for r in requests:
-            num_new, start = len(r.token_ids), r.num_cached
-            if start + num_new > self.kv.max_len:
-                # Checked here so that no out-of-range index ever reaches a kernel (on CUDA, a
-                # device-side assert would poison the context for every session).
-                raise ValueError(f"{start} cached + {num_new} new tokens exceed the slot's {self.kv.max_len}")
-            offset = cu_num_tokens[-1]
-            token_ids += r.token_ids
-            positions += r.positions
-            kv_slots += [r.slot] * num_new
-            kv_positions += range(start, start + num_new)
-            logit_indices += range(offset, offset + num_new) if r.all_logits else [offset + num_new - 1]
-            cu_num_tokens.append(offset + num_new)
-            row_bases += [start] * num_new
-            if self.model.attention == "rows":
-                row_masks.append(None if num_new == 1 else self._row_mask(r))
+        rows = PackedRows.of(requests, self.kv.max_len)
 
         def on_device(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
+        row_masks: list[torch.Tensor | None] = [None] * len(requests)
         flex = None
         if self.model.attention == "flex":
-            row_masks = [None] * len(requests)
             flex = flex_layout(
-                kv_slots=on_device(kv_slots),
-                kv_positions=on_device(kv_positions),
-                row_bases=on_device(row_bases),
-                tree_table=self._tree_table(requests, len(token_ids)),
+                kv_slots=on_device(rows.kv_slots),
+                kv_positions=on_device(rows.kv_positions),
+                row_bases=on_device(rows.row_bases),
+                tree_table=self._tree_table(requests, rows.num_tokens),
                 num_slots=self.kv.num_slots,
                 max_len=self.kv.max_len,
             )
+        else:
+            row_masks = [None if len(r.token_ids) == 1 else self._row_mask(r) for r in requests]
         return StepBatch(
-            token_ids=on_device(token_ids),
-            positions=on_device(positions),
-            kv_slots=on_device(kv_slots),
-            kv_positions=on_device(kv_positions),
-            logit_indices=on_device(logit_indices),
-            cu_num_tokens=tuple(cu_num_tokens),
+            token_ids=on_device(rows.token_ids),
+            positions=on_device(rows.positions),
+            kv_slots=on_device(rows.kv_slots),
+            kv_positions=on_device(rows.kv_positions),
+            logit_indices=on_device(rows.logit_indices),
+            cu_num_tokens=tuple(rows.cu_num_tokens),
             slots=tuple(r.slot for r in requests),
             num_keys=tuple(r.num_cached + len(r.token_ids) for r in requests),
             row_masks=tuple(row_masks),

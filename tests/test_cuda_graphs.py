@@ -1,0 +1,156 @@
+"""CUDA graphs over token-count buckets (server/cuda_graphs.py).
+
+On a CPU a GraphedRunner runs everything but the capture: the buckets, the padding row on the scratch slot,
+the static tensors refilled in place and the block mask copied into the captured one. These tests check that
+it gives every row what the plain runner gives and writes nothing outside its own rows and the scratch slot.
+The capture itself needs a GPU: the last test runs only where one is present.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from specedge.registry import ResolvedModel
+from specedge.server.cuda_graphs import (
+    BLOCK_MASK_TENSORS,
+    GraphedRunner,
+    bucket_for,
+    graphs_unavailable,
+    padded,
+)
+from specedge.server.loading import load_target
+from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
+from tests.test_batched_forward import MAX_LEN, NUM_SLOTS, session_rounds
+
+BUCKETS = (4, 16, 64)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_target_dir):
+    target = load_target(
+        ResolvedModel("tiny", "hf", tiny_target_dir), device=torch.device("cpu"), dtype=torch.float32, attention="flex"
+    )
+    return target.model
+
+
+def _plain(model) -> ModelRunner:
+    return ModelRunner(model, KVCache(model, num_slots=NUM_SLOTS, max_len=MAX_LEN, device="cpu", dtype=torch.float32))
+
+
+def _graphed(model) -> GraphedRunner:
+    kv = KVCache(model, num_slots=NUM_SLOTS + 1, max_len=MAX_LEN, device="cpu", dtype=torch.float32)
+    runner = GraphedRunner(ModelRunner(model, kv), buckets=BUCKETS)
+    runner.capture()
+    return runner
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_it():
+    assert [bucket_for(n, BUCKETS) for n in (1, 4, 5, 16, 17, 64, 65)] == [4, 4, 16, 16, 64, 64, None]
+
+
+def test_padding_is_one_row_on_the_scratch_slot_asking_for_no_logits():
+    requests = [ForwardRequest(2, 7, (1, 2, 3)), ForwardRequest(0, 3, (4,))]
+    [*kept, pad] = padded(requests, 16, scratch_slot=6)
+    assert kept == requests
+    assert pad == ForwardRequest(6, 0, (0,) * 12, all_logits=False)
+    assert padded(requests, 4, scratch_slot=6) == requests  # nothing to pad
+    with pytest.raises(ValueError, match="does not fit a bucket of 2"):
+        padded(requests, 2, scratch_slot=6)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=session_rounds())
+def test_a_bucketed_step_gives_every_row_what_the_plain_runner_gives(model, rows):
+    plain, graphed = _plain(model), _graphed(model)
+    prefill = [ForwardRequest(r.slot, 0, tuple(prefix)) for prefix, r in rows]
+    for runner in (plain, graphed):
+        runner.forward(prefill)
+    step = [r for _, r in rows]
+    want, got = plain.forward(step), graphed.forward(step)
+    assert [len(logits) for logits in got] == [r.num_logits for r in step]
+    for logits, reference in zip(got, want):
+        torch.testing.assert_close(logits, reference, atol=2e-4, rtol=0)
+        assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    for k, k_want in zip(graphed.kv.k, plain.kv.k):
+        assert (k[:NUM_SLOTS] - k_want).abs().max() < 1e-4  # the same keys in the same places; padding elsewhere
+
+
+def test_padding_writes_only_to_the_scratch_slot(model):
+    runner = _graphed(model)
+    runner.forward([ForwardRequest(slot, 0, tuple(range(5 + slot, 30 + slot))) for slot in range(NUM_SLOTS)])
+    before = [k.clone() for k in runner.kv.k]
+    runner.forward([ForwardRequest(2, 25, (7, 8, 9, 10), tree_parents=(0, 0, 2)), ForwardRequest(4, 29, (11,))])
+    for layer_before, layer_after in zip(before, runner.kv.k):
+        changed = (layer_before != layer_after).any(dim=-1).any(dim=-1)  # [slots, positions]
+        real = {(slot, pos) for slot, pos in map(tuple, changed.nonzero().tolist()) if slot != NUM_SLOTS}
+        assert real == {(2, 25), (2, 26), (2, 27), (2, 28), (4, 29)}  # 5 tokens padded to 16 on the scratch slot
+
+
+def test_each_step_refills_the_captured_block_mask(model):
+    """A compiled kernel skips the blocks the captured mask's tensors leave out, so those must be the step's.
+    (On a CPU FlexAttention's reference evaluates the mask everywhere: only this test sees stale blocks.)"""
+    runner = _graphed(model)
+    step = [ForwardRequest(2, 25, (7, 8, 9, 10), tree_parents=(0, 0, 2)), ForwardRequest(4, 29, (11,))]
+    runner.forward(step)
+    captured = runner._captured[16].batch.flex
+    want = runner.inner._layout(padded(step, 16, runner.scratch_slot)).flex
+    assert captured is not None and want is not None
+    for name in BLOCK_MASK_TENSORS:
+        assert torch.equal(getattr(captured.block_mask, name), getattr(want.block_mask, name)), name
+
+
+def test_greedy_decoding_through_the_buckets_equals_the_plain_runner(model):
+    """Rows join and leave, so the steps cross buckets (and the prefill is larger than every bucket: eager)."""
+    prompts = {slot: tuple((7 * slot + i) % 300 for i in range(70 + 3 * slot)) for slot in range(3)}
+    answers = {}
+    for runner in (_plain(model), _graphed(model)):
+        tokens = {slot: list(prompt) for slot, prompt in prompts.items()}
+        last = runner.forward([ForwardRequest(slot, 0, prompt, all_logits=False) for slot, prompt in prompts.items()])
+        for slot, logits in zip(prompts, last):
+            tokens[slot].append(int(logits[-1].argmax()))
+        for step in range(12):
+            live = [slot for slot in prompts if step < 6 + 3 * slot]
+            requests = [ForwardRequest(slot, len(tokens[slot]) - 1, (tokens[slot][-1],)) for slot in live]
+            for slot, logits in zip(live, runner.forward(requests)):
+                tokens[slot].append(int(logits[-1].argmax()))
+        answers[type(runner).__name__] = tokens
+    assert answers["GraphedRunner"] == answers["ModelRunner"]
+
+
+def test_graphs_say_why_they_cannot_run():
+    assert "CUDA devices, not cpu" in graphs_unavailable(torch.device("cpu"), "flex", tensor_parallel=False)
+    cuda = torch.device("cuda", 0)
+    assert "need flex attention" in graphs_unavailable(cuda, "rows", tensor_parallel=False)
+    assert "tensor-parallel" in graphs_unavailable(cuda, "flex", tensor_parallel=True)
+    assert graphs_unavailable(cuda, "flex", tensor_parallel=False) is None
+
+
+def test_the_row_loop_cannot_be_graphed(tiny_target_dir):
+    target = load_target(ResolvedModel("tiny", "hf", tiny_target_dir), device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="need flex attention"):
+        GraphedRunner(_plain(target.model))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU only")
+def test_captured_graphs_replay_what_the_eager_forward_computes(tiny_target_dir):
+    cuda = torch.device("cuda")
+    model = load_target(ResolvedModel("tiny", "hf", tiny_target_dir), device=cuda, dtype=torch.float32).model
+    eager = ModelRunner(model, KVCache(model, num_slots=NUM_SLOTS, max_len=MAX_LEN, device=cuda, dtype=torch.float32))
+    kv = KVCache(model, num_slots=NUM_SLOTS + 1, max_len=MAX_LEN, device=cuda, dtype=torch.float32)
+    graphed = GraphedRunner(ModelRunner(model, kv), buckets=BUCKETS)
+    graphed.capture()
+    assert all(graphed._captured[b].graph is not None for b in BUCKETS)
+    prefill = [ForwardRequest(slot, 0, tuple(range(3 + slot, 20 + slot))) for slot in range(4)]
+    step = [
+        ForwardRequest(0, 17, (5, 6, 7), tree_parents=(0, 0)),
+        ForwardRequest(1, 17, (8,)),
+        ForwardRequest(3, 17, (9, 10, 11, 12, 13)),
+    ]
+    for runner in (eager, graphed):
+        runner.forward(prefill)
+    for _ in range(2):  # a second replay reads the refilled tensors, not the first step's
+        for logits, reference in zip(graphed.forward(step), eager.forward(step)):
+            torch.testing.assert_close(logits, reference, atol=2e-3, rtol=0)
+        step = [ForwardRequest(r.slot, r.num_cached + len(r.token_ids), (r.token_ids[-1],)) for r in step]
