@@ -7,7 +7,8 @@ Measured one after the other in this process (CPU only):
 
 1. the limits: memory stream bandwidth (a sum over a --stream-gb float32 tensor) and the peak GEMM rate
    (oneDNN's packed linear and eager F.linear, on a weight of the model's MLP shape, at M = --gemm-m);
-   the same weight at the small M of verify rounds (--kernel-m) on three kernels: eager, oneDNN-packed,
+   the same weight at the small M of verify rounds (--kernel-m) on four kernels: eager, oneDNN-packed (as
+   the server packs, for one row, and laid out for 16-row batches),
    and inductor's compiled product with frozen weights (the alternative the packed path was chosen over);
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1;
@@ -51,7 +52,8 @@ from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.types import SamplingParams, SparseDist
 
 PATHS = ("eager", "onednn")
-KERNELS = ("eager", "onednn", "inductor")  # matrix kernels compared at small M (inductor: frozen weights)
+KERNELS = ("eager", "onednn", "onednn@16", "inductor")  # matrix kernels compared at small M
+# onednn: packed as the server packs (for one row); onednn@16: laid out for 16-row batches; inductor: frozen
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_STEPS = ("1x1", "1x5", "8x1", "8x5", "16x5", "7x5+p120", "p155")
 HOST_TOKENS_PER_ROW = 5  # a verify round: the pending token and 4 drafts
@@ -108,7 +110,7 @@ class EngineBenchConfig:
     prefix: int = 200  # cached tokens of each non-prefill row (and HF's prompt)
     stream_gb: float = 2.0  # size of the tensor summed to measure memory bandwidth
     gemm_m: tuple[int, ...] = (64, 128, 256)  # GEMM rows tried for the peak rate
-    kernel_m: tuple[int, ...] = (1, 5, 8, 40)  # rows at which the matrix kernels are compared; () skips
+    kernel_m: tuple[int, ...] = (1, 2, 5, 8, 40)  # rows at which the matrix kernels are compared; () skips
     hf_decode: int = 16  # HF greedy decode steps timed; 0 skips HF
     host_rows: int = 64  # rows of HOST_TOKENS_PER_ROW logits each for the host-time draws
 
@@ -224,7 +226,7 @@ def gemm_rates(out_features: int, in_features: int, ms: tuple[int, ...], dtype: 
 
 
 def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
-    """ms of y = x W^T at each small M on eager, oneDNN-packed and inductor-frozen kernels (CPU).
+    """ms of y = x W^T at each small M on eager, oneDNN-packed (for 1 row, and for 16) and inductor-frozen kernels.
 
     Inductor compiles the product as it would inside the model under freezing (its own packed weight, one
     compile per M, none counted in the times); a kernel that cannot run here says why instead.
@@ -233,6 +235,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor] | str] = {"eager": linear}
     why_not = onednn_unavailable(torch.device("cpu"), dtype)
     kernels["onednn"] = why_not or PackedLinear(linear.weight, None)
+    kernels["onednn@16"] = why_not or PackedLinear(linear.weight, None, rows=16)
     rows, compile_s = [], {}
     with torch.inference_mode():
         for m in ms:

@@ -97,7 +97,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert not missing, f"missing or non-positive figures: {missing}"
     assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(PATHS)
     [kernels] = results["limits"]["kernels"]["rows"]
-    assert kernels["m"] == 3 and kernels["eager"] > 0 and kernels["onednn"] > 0
+    assert kernels["m"] == 3 and kernels["eager"] > 0 and kernels["onednn"] > 0 and kernels["onednn@16"] > 0
     # inductor's frozen product compiles where a C++ compiler is found; otherwise the table says why not
     assert (isinstance(kernels["inductor"], float) and kernels["inductor"] > 0) or kernels["inductor"].startswith(
         "not run:"
@@ -109,7 +109,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert table in captured.out
     header = "| step | tokens | eager ms | onednn ms | roofline ms | eager/roofline | onednn/roofline | speed-up |"
     assert header in table
-    assert "| M | eager ms | onednn ms | inductor ms | best / floor |" in table
+    assert "| M | eager ms | onednn ms | onednn@16 ms | inductor ms | best / floor |" in table
     assert "| draws | flat ms | peaked ms |" in table
     rows = [line for line in table.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))]
     assert len(rows) == len(DEFAULT_STEPS) and all("| - |" not in row for row in rows), rows
