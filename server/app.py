@@ -193,9 +193,18 @@ class SpecEdgeServer:
         if self.ranks is not None and device.type == "cpu":
             bytes_per_slot *= self.ranks.spec.world_size  # CPU ranks share this machine's memory
         budget = _kv_budget_bytes(config.kv_cache_gb, device)
-        num_slots = slots_within_budget(
-            requested=config.engine.max_sessions, bytes_per_slot=bytes_per_slot, budget_bytes=budget
+        no_graphs = graphs_unavailable(device, target.model.attention, self.ranks is not None)
+        use_graphs = config.cuda_graphs and no_graphs is None
+        # With graphs, one slot more than the engine hands out (within the budget): the scratch slot that
+        # padding tokens write to.
+        num_slots = (
+            slots_within_budget(
+                requested=config.engine.max_sessions + use_graphs, bytes_per_slot=bytes_per_slot, budget_bytes=budget
+            )
+            - use_graphs
         )
+        if num_slots < 1:  # the budget holds a single slot: a session's, not the scratch slot's
+            use_graphs, no_graphs, num_slots = False, "the KV budget holds one slot, kept for a session", 1
         if budget is not None and num_slots < config.engine.max_sessions:  # no budget: every slot asked for
             log.warning(
                 "KV budget of %.2f GiB holds %d of the %d sessions asked for; the rest are refused with "
@@ -211,9 +220,6 @@ class SpecEdgeServer:
                 f"a request within the limits may take {largest_request} bytes, more than the message size limit "
                 f"of {config.transport.max_message_bytes}; raise --max-message-bytes or lower the token limits"
             )
-        no_graphs = graphs_unavailable(device, target.model.attention, self.ranks is not None)
-        use_graphs = config.cuda_graphs and no_graphs is None
-        # With graphs, one slot more than the engine hands out: the scratch slot that padding tokens write to.
         kv = KVCache(target.model, num_slots=num_slots + use_graphs, max_len=max_context, device=device, dtype=dtype)
         log.info(
             "loaded %s on %s (%s, %s matrix products, %s attention) in %.1f s; KV: %d slots x %d tokens (%.2f GiB)",
