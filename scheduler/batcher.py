@@ -75,6 +75,8 @@ class BatcherConfig:
     # so equal edges are never cut below a round: only an identity asking for more than its share is.
     round_tokens: int = 17
     default_step_tokens: int = 64  # the budget until the curve is measured
+    # Hold a step, at most the cost curve's fixed cost, for rounds due back from edges (scheduler/gather.py).
+    gather: bool = True
 
     def __post_init__(self):
         if self.max_batch_tokens < 1 or self.max_batch_rows < 1:

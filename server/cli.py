@@ -93,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="take rounds in arrival order with no step budget (one identity can then slow every other)",
     )
+    shares.add_argument(
+        "--no-gather",
+        dest="gather",
+        action="store_false",
+        help="start each step the moment work is queued, rather than holding it (at most the step's fixed cost) "
+        "for rounds due back from edges",
+    )
     security = parser.add_argument_group("security (see SECURITY.md)")
     security.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
     security.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -195,7 +202,7 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
             max_prompt_tokens=args.max_prompt_tokens,
             max_sessions_per_identity=args.max_sessions_per_identity,
             idle_timeout_s=args.idle_timeout,
-            batcher=BatcherConfig(fair_shares=args.fair_shares, step_tokens=args.step_tokens),
+            batcher=BatcherConfig(fair_shares=args.fair_shares, step_tokens=args.step_tokens, gather=args.gather),
         ),
         parallel=parallel,
         transport=TransportConfig(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -21,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Hashable
 
 from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, SlotAllocator
+from specedge.scheduler.gather import hold_until
 from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig
 from specedge.server import errors
 from specedge.server.auth import Caller
@@ -311,6 +313,7 @@ class Engine:
             self.batcher.add_prefill(work.session.id, num_tokens, start, owner=work.session.owner)
         else:
             self.batcher.add_round(work.session.id, num_tokens, owner=work.session.owner)
+        work.session.turnaround.arrived(time.monotonic())
         queued = self._work[work.session.id] = _Queued(work, asyncio.get_running_loop().create_future())
         self._wakeup.set()
         return queued
@@ -341,6 +344,7 @@ class Engine:
             await self._wakeup.wait()
             self._wakeup.clear()
             while True:
+                await self._gather()
                 planned_at = time.perf_counter()
                 self.batcher.answering = any(
                     s.generated and s.finish is FinishReason.NONE for s in self.sessions.values()
@@ -364,16 +368,37 @@ class Engine:
                     result = StepResult([failure_for_client(exc)] * len(rows), None, self.load)
                 self.load = result.load
                 self._update_curve(result.curve)
+                replied_at = time.monotonic()
                 for q, outcome in zip(queued, result.outcomes):
                     if q.future.done() or outcome is None:
                         continue
                     if isinstance(outcome, Exception):
                         q.future.set_exception(outcome)
                     else:
+                        q.work.session.turnaround.replied(replied_at)
                         q.future.set_result(outcome)
                 # Let the sessions just woken queue their next work (server-driven
                 # streams do so at once) before the next step is planned.
                 await asyncio.sleep(0)
+
+    async def _gather(self) -> None:
+        """Hold the next step, at most the step's fixed cost, for rounds due back from edges (scheduler/gather.py)."""
+        if not self.config.batcher.gather or not self._work:
+            return
+        fixed_s = self.batcher.curve[0] if self.batcher.curve else None
+        since = time.monotonic()
+        while (until := hold_until(time.monotonic(), self._due_back(), fixed_s, since)) is not None:
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), until - time.monotonic())
+
+    def _due_back(self) -> list[float | None]:
+        """When each mid-answer session with nothing queued is expected to send its next round."""
+        return [
+            s.turnaround.due_by()
+            for s in self.sessions.values()
+            if s.id not in self._work and s.generated and s.finish is FinishReason.NONE
+        ]
 
     # -- the step budget's cost curve ------------------------------------------
 

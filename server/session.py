@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from specedge.scheduler.gather import Turnaround
 from specedge.scheduler.speculation import SessionSpeculation
 from specedge.types import FinishReason, SamplingParams
 
@@ -37,6 +38,7 @@ class Session:
     draft_cached: int = 0  # tokens whose KV is in the server draft model's slot (server-side drafting only)
     finish: FinishReason = FinishReason.NONE
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    turnaround: Turnaround = dataclasses.field(default_factory=Turnaround)  # reply -> next round (scheduler/gather.py)
 
     @property
     def prompt_len(self) -> int:

@@ -1,0 +1,109 @@
+"""Gathering rounds (scheduler/gather.py): a step waits, at most its fixed cost, for rounds due back from edges."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from harness import ServerThread
+from raw_edge import PROMPT, Edge
+from reference import greedy_decode
+from specedge import wire
+from specedge.edge_client.tokenizer import HFTokenizer
+from specedge.scheduler import BatcherConfig
+from specedge.scheduler.gather import SLACK, SMOOTHING, Turnaround, hold_until
+from specedge.server.app import ServerConfig
+from specedge.server.engine import EngineConfig
+from specedge.v1 import specedge_pb2 as pb
+
+
+def test_a_sessions_turnaround_is_learned_from_its_own_rounds():
+    turnaround = Turnaround()
+    turnaround.arrived(now=1.0)  # its first round (a prompt): nothing to learn from yet
+    assert turnaround.due_by() is None
+    turnaround.replied(now=2.0)
+    assert turnaround.due_by() is None  # replied, but no turnaround known yet
+    turnaround.arrived(now=2.4)
+    assert turnaround.average_s == pytest.approx(0.4) and turnaround.due_by() is None  # its round is queued
+    turnaround.replied(now=5.0)
+    turnaround.arrived(now=5.2)  # 0.2 s this time: 0.3 * 0.2 + 0.7 * 0.4
+    assert turnaround.average_s == pytest.approx(SMOOTHING * 0.2 + (1 - SMOOTHING) * 0.4) == pytest.approx(0.34)
+    turnaround.replied(now=8.0)
+    assert turnaround.due_by() == pytest.approx(8.0 + 0.34 * (1 + SLACK))
+
+
+def test_a_step_holds_for_the_last_round_due_within_its_fixed_cost():
+    # Queued work at t = 10; the step's fixed cost is 0.5 s, so rounds due by 10.5 are waited for.
+    assert hold_until(10.0, [10.1, 10.3, None], step_fixed_s=0.5, since=10.0) == 10.3
+    assert hold_until(10.0, [10.3, 10.7], step_fixed_s=0.5, since=10.0) == 10.3  # 10.7 is not worth a's wait
+    assert hold_until(10.0, [9.9], step_fixed_s=0.5, since=10.0) is None  # overdue: never waited for
+    assert hold_until(10.0, [10.7], step_fixed_s=0.5, since=10.0) is None
+    assert hold_until(10.0, [None, None], step_fixed_s=0.5, since=10.0) is None  # nobody expected
+    assert hold_until(10.0, [10.1], step_fixed_s=None, since=10.0) is None  # no measured curve yet
+    # The deadline is fixed when the hold begins: arrivals that re-evaluate it do not stretch it.
+    assert hold_until(10.4, [10.45, 10.6], step_fixed_s=0.5, since=10.0) == 10.45
+
+
+STEP_S = 0.3  # each forward's time: the runner below sleeps it, and the pinned curve says it
+THINK_S = 0.1  # each edge's time between a reply and its next round (its drafting)
+
+
+class SlowRunner:
+    """The tiny target, as slow as a large one: every forward takes STEP_S more."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.model, self.kv, self.device = inner.model, inner.kv, inner.device
+
+    def forward_packed(self, requests):
+        time.sleep(STEP_S)
+        return self.inner.forward_packed(requests)
+
+    def forward(self, requests):
+        time.sleep(STEP_S)
+        return self.inner.forward(requests)
+
+    def move_kv(self, moves):
+        self.inner.move_kv(moves)
+
+
+async def edge_stream(edge: Edge, expected: list[int], start_s: float) -> tuple[list[int], list[pb.VerifyResponse]]:
+    """Greedy rounds, THINK_S after each reply (empty drafts: one token a round, so the short answer is many)."""
+    await asyncio.sleep(start_s)
+    opened = await edge.open(max_new_tokens=len(expected))
+    tokens, replies = [opened.first_token_id], []
+    while not replies or replies[-1].finish_reason == pb.FINISH_REASON_NONE:
+        await asyncio.sleep(THINK_S)
+        replies.append(await edge.verify(opened.session_id, [], [], num_generated=len(tokens)))
+        tokens += replies[-1].token_ids
+    return tokens, replies
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "not-gathered"])
+def test_two_edges_out_of_phase_share_steps_once_gathered(tiny_target_dir, reference_model, gather):
+    """Edge B starts 0.15 s after A. Ungathered, their rounds alternate steps (each arrives while the other's
+    step runs); gathered, the step waits the 0.1 s for the other's round and both ride in it."""
+    expected = greedy_decode(reference_model, PROMPT, 30, set(HFTokenizer(tiny_target_dir).eos_token_ids))
+    fingerprint = wire.fingerprint_to_proto(HFTokenizer(tiny_target_dir).fingerprint)
+    config = ServerConfig(
+        model=str(tiny_target_dir), port=0, max_context=256, engine=EngineConfig(batcher=BatcherConfig(gather=gather))
+    )
+    with ServerThread(config, wrap_runner=SlowRunner) as server:
+        engine = server.server.engine
+        engine._update_curve = lambda curve, announce=False: None  # the pinned curve: STEP_S a step
+        engine.batcher.curve = (STEP_S, 0.0)
+
+        async def run():
+            a, b = Edge(server.address, fingerprint), Edge(server.address, fingerprint)
+            return await asyncio.gather(edge_stream(a, expected, 0.0), edge_stream(b, expected, 0.15))
+
+        runs = asyncio.run(run())
+    assert all(tokens == expected for tokens, _ in runs)  # lossless either way
+    later = [reply for _, replies in runs for reply in replies[2:-1]]  # once a turnaround is known
+    shared = sum(reply.timing.batch_size == 2 for reply in later) / len(later)
+    if gather:
+        assert shared >= 0.8
+    else:
+        assert shared <= 0.5
