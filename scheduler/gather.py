@@ -17,6 +17,12 @@ that is already overdue, and never starts when nothing is queued.
 Each session's turnaround is learned from its own rounds (an exponential
 average of reply -> next round), so server-driven streams, which queue their
 next round at once, are never waited for.
+
+A hold that ends without a round it waited for is a miss, and the identity
+that missed is not waited for during the next MISS_COOLDOWN_STEPS steps. An
+identity that paces its rounds to be waited for and then does not send them
+idles the server at most one fixed cost per that many steps (an honest edge
+that misses once merely loses gathering for a while).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Iterable
 
 SMOOTHING = 0.3  # weight of the newest turnaround in a session's average
 SLACK = 0.25  # a round is waited for until this share of its turnaround past its expected return
+MISS_COOLDOWN_STEPS = 16  # steps during which an identity that missed a hold is not waited for
 
 
 @dataclasses.dataclass
@@ -62,3 +69,31 @@ def hold_until(now: float, due: Iterable[float | None], step_fixed_s: float | No
     deadline = since + step_fixed_s
     waiting = [t for t in due if t is not None and now < t <= deadline]
     return max(waiting) if waiting else None
+
+
+class Gatherer:
+    """The holds of one engine: hold_until, less the identities cooling down from a miss."""
+
+    def __init__(self, cooldown_steps: int = MISS_COOLDOWN_STEPS):
+        self.cooldown_steps = cooldown_steps
+        self.num_steps = 0
+        self.num_misses = 0
+        self._cooling: dict[str, int] = {}  # identity -> the step from which it is waited for again
+
+    def hold(
+        self, now: float, due: Iterable[tuple[str, str, float | None]], step_fixed_s: float | None, since: float
+    ) -> tuple[float, set[str]] | None:
+        """hold_until over `due` ((session, identity, due_by) of each mid-answer session with nothing queued),
+        the cooling identities left out: None, or the time to wait until and the sessions waited for."""
+        eligible = [(key, t) for key, owner, t in due if self._cooling.get(owner, 0) <= self.num_steps]
+        until = hold_until(now, (t for _, t in eligible), step_fixed_s, since)
+        if until is None:
+            return None
+        return until, {key for key, t in eligible if t is not None and now < t <= until}
+
+    def step_started(self, missed: Iterable[str]) -> None:
+        """A step starts; `missed`: the identities whose rounds this step's hold waited for in vain."""
+        for owner in set(missed):
+            self.num_misses += 1
+            self._cooling[owner] = self.num_steps + 1 + self.cooldown_steps
+        self.num_steps += 1

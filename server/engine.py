@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Hashable
 
 from specedge.scheduler import Batcher, BatcherConfig, NoFreeSlot, SlotAllocator
-from specedge.scheduler.gather import hold_until
+from specedge.scheduler.gather import Gatherer
 from specedge.scheduler.speculation import SessionSpeculation, SpeculationConfig
 from specedge.server import errors
 from specedge.server.auth import Caller
@@ -110,6 +110,7 @@ class Engine:
         self.sessions: dict[str, Session] = {}
         self.slots = SlotAllocator(config.max_sessions)
         self.batcher = Batcher(config.batcher)
+        self.gatherer = Gatherer()  # holds a step for rounds due back (scheduler/gather.py)
         self._work: dict[Hashable, _Queued] = {}  # session id (the batcher's key) -> its queued or in-flight work
         self._leases: dict[str, int] = {}  # connection -> open Attach streams
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specedge-engine")
@@ -383,19 +384,25 @@ class Engine:
 
     async def _gather(self) -> None:
         """Hold the next step, at most the step's fixed cost, for rounds due back from edges (scheduler/gather.py)."""
-        if not self.config.batcher.gather or not self._work:
-            return
-        fixed_s = self.batcher.curve[0] if self.batcher.curve else None
+        awaited: dict[str, Session] = {}
         since = time.monotonic()
-        while (until := hold_until(time.monotonic(), self._due_back(), fixed_s, since)) is not None:
-            self._wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), until - time.monotonic())
+        if self.config.batcher.gather and self._work:
+            fixed_s = self.batcher.curve[0] if self.batcher.curve else None
+            while (hold := self.gatherer.hold(time.monotonic(), self._due_back(), fixed_s, since)) is not None:
+                until, keys = hold
+                awaited.update((key, self.sessions[key]) for key in keys)
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), until - time.monotonic())
+        missed = {s.owner for s in awaited.values() if s.id not in self._work}
+        self.gatherer.step_started(missed)
+        if awaited:
+            self.stats.observe_hold(time.monotonic() - since, misses=len(missed))
 
-    def _due_back(self) -> list[float | None]:
-        """When each mid-answer session with nothing queued is expected to send its next round."""
+    def _due_back(self) -> list[tuple[str, str, float | None]]:
+        """(session, identity, when its next round is due) of each mid-answer session with nothing queued."""
         return [
-            s.turnaround.due_by()
+            (s.id, s.owner, s.turnaround.due_by())
             for s in self.sessions.values()
             if s.id not in self._work and s.generated and s.finish is FinishReason.NONE
         ]

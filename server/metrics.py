@@ -38,6 +38,9 @@ _COUNTERS = (
     ),
     ("verified_tokens", "num_verified_tokens", "Tokens run for verify rounds: pending tokens and verified nodes."),
     ("cut_draft_nodes", "num_cut_nodes", "Draft nodes not verified because their round exceeded its share of a step."),
+    ("step_holds", "num_holds", "Steps held for rounds due back from edges (at most the step's fixed cost each)."),
+    ("step_hold_seconds", "hold_s", "Seconds steps were held for rounds due back from edges."),
+    ("step_hold_misses", "num_hold_misses", "Identities a hold waited for in vain (then not waited for a while)."),
 )
 _GAUGES = (
     ("active_sessions", "active_sessions", "Open sessions."),

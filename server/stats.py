@@ -56,6 +56,9 @@ class ServerStats:
         self.per_identity = per_identity
         self.num_verified_tokens = 0
         self.num_cut_nodes = 0
+        self.num_holds = 0  # steps held for rounds due back from edges (scheduler/gather.py)
+        self.hold_s = 0.0
+        self.num_hold_misses = 0  # identities whose awaited round did not come
         self.verified_tokens_by_identity: collections.Counter[str] = collections.Counter()
         self.cut_nodes_by_identity: collections.Counter[str] = collections.Counter()
         self.step_budget_tokens = 0
@@ -121,6 +124,13 @@ class ServerStats:
                 self.verified_tokens_by_identity[identity] += verified_tokens
                 self.cut_nodes_by_identity[identity] += cut_nodes
 
+    def observe_hold(self, seconds: float, *, misses: int) -> None:
+        """A step held `seconds` for rounds due back; `misses` identities among them did not send theirs."""
+        with self._lock:
+            self.num_holds += 1
+            self.hold_s += seconds
+            self.num_hold_misses += misses
+
     def set_step_cost(self, *, curve: tuple[float, float] | None, knee_tokens: int | None, budget: int) -> None:
         """The step budget and the measured cost curve (seconds ~ a + b * tokens) it came from."""
         with self._lock:
@@ -174,6 +184,9 @@ class ServerStats:
                 "requests_failed": self.requests_failed,
                 "num_verified_tokens": self.num_verified_tokens,
                 "num_cut_nodes": self.num_cut_nodes,
+                "num_holds": self.num_holds,
+                "hold_s": self.hold_s,
+                "num_hold_misses": self.num_hold_misses,
                 "verified_tokens_by_identity": dict(self.verified_tokens_by_identity),
                 "cut_nodes_by_identity": dict(self.cut_nodes_by_identity),
                 "step_budget_tokens": self.step_budget_tokens,

@@ -13,7 +13,7 @@ from reference import greedy_decode
 from specedge import wire
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.scheduler import BatcherConfig
-from specedge.scheduler.gather import SLACK, SMOOTHING, Turnaround, hold_until
+from specedge.scheduler.gather import MISS_COOLDOWN_STEPS, SLACK, SMOOTHING, Gatherer, Turnaround, hold_until
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
 from specedge.v1 import specedge_pb2 as pb
@@ -44,6 +44,19 @@ def test_a_step_holds_for_the_last_round_due_within_its_fixed_cost():
     assert hold_until(10.0, [10.1], step_fixed_s=None, since=10.0) is None  # no measured curve yet
     # The deadline is fixed when the hold begins: arrivals that re-evaluate it do not stretch it.
     assert hold_until(10.4, [10.45, 10.6], step_fixed_s=0.5, since=10.0) == 10.45
+
+
+def test_an_identity_that_missed_a_hold_is_not_waited_for_until_it_has_cooled_down():
+    gatherer = Gatherer()
+    due = [("s1", "mallory", 10.2), ("s2", "alice", 10.1)]
+    assert gatherer.hold(10.0, due, step_fixed_s=0.5, since=10.0) == (10.2, {"s1", "s2"})
+    gatherer.step_started(missed=["mallory"])  # alice's round came, mallory's did not
+    for _ in range(MISS_COOLDOWN_STEPS):
+        assert gatherer.hold(20.0, [("s1", "mallory", 20.2), ("s2", "alice", 20.1)], 0.5, since=20.0) == (20.1, {"s2"})
+        assert gatherer.hold(20.0, [("s1", "mallory", 20.2)], 0.5, since=20.0) is None
+        gatherer.step_started(missed=[])
+    assert gatherer.hold(30.0, [("s1", "mallory", 30.2)], 0.5, since=30.0) == (30.2, {"s1"})
+    assert gatherer.num_misses == 1 and gatherer.num_steps == 1 + MISS_COOLDOWN_STEPS
 
 
 STEP_S = 0.3  # each forward's time: the runner below sleeps it, and the pinned curve says it
@@ -100,10 +113,13 @@ def test_two_edges_out_of_phase_share_steps_once_gathered(tiny_target_dir, refer
             return await asyncio.gather(edge_stream(a, expected, 0.0), edge_stream(b, expected, 0.15))
 
         runs = asyncio.run(run())
+        stats = server.server.stats.snapshot()
     assert all(tokens == expected for tokens, _ in runs)  # lossless either way
     later = [reply for _, replies in runs for reply in replies[2:-1]]  # once a turnaround is known
     shared = sum(reply.timing.batch_size == 2 for reply in later) / len(later)
     if gather:
         assert shared >= 0.8
+        assert stats["num_holds"] > 0 and 0 < stats["hold_s"] <= stats["num_holds"] * (STEP_S + 0.05)
     else:
         assert shared <= 0.5
+        assert stats["num_holds"] == 0

@@ -75,6 +75,8 @@ def scripted_stats(per_identity: bool = True) -> ServerStats:
     stats.observe_share("alice", verified_tokens=5, cut_nodes=0)
     stats.observe_share("bob", verified_tokens=8, cut_nodes=57)  # a 64-node round cut to its first 7
     stats.observe_share("bob", verified_tokens=1, cut_nodes=0)
+    stats.observe_hold(0.25, misses=0)  # two steps held for rounds due back; one waited for bob in vain
+    stats.observe_hold(0.5, misses=1)
     stats.set_step_cost(curve=(0.12, 0.008), knee_tokens=15, budget=15)
     return stats
 
@@ -99,6 +101,9 @@ EXPECTED = {
     ("specedge:kv_slots_free", ()): 6,
     ("specedge:verified_tokens_total", ()): 14,
     ("specedge:cut_draft_nodes_total", ()): 57,
+    ("specedge:step_holds_total", ()): 2,
+    ("specedge:step_hold_seconds_total", ()): 0.75,
+    ("specedge:step_hold_misses_total", ()): 1,
     ("specedge:identity_verified_tokens_total", (("identity", "alice"),)): 5,
     ("specedge:identity_verified_tokens_total", (("identity", "bob"),)): 9,
     ("specedge:identity_cut_draft_nodes_total", (("identity", "alice"),)): 0,
