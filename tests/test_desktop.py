@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hashlib
 import os
 import stat
+import threading
 
 import pytest
 from PySide6.QtCore import Qt
@@ -23,6 +25,7 @@ from specedge.edge_client.channel import ChannelSecurity
 from specedge.edge_client.client import ConnectionConfig
 from specedge.edge_client.desktop import stats as figures
 from specedge.edge_client.desktop import worker as outcomes
+from specedge.edge_client.desktop.collector import GuiThreadCollector
 from specedge.edge_client.desktop.settings import ChatSettings, load_settings, save_settings
 from specedge.edge_client.desktop.settings_panel import SettingsPanel
 from specedge.edge_client.desktop.store import DONE, INTERRUPTED, STOPPED, STREAMING, ChatStore
@@ -591,6 +594,46 @@ def test_qt_binding_keeps_reference_counts():
     )
     none_drift, true_drift = map(int, done.stdout.split())
     assert abs(none_drift) < 100 and abs(true_drift) < 100  # 40000 deliveries: any leak would show in thousands
+
+
+class _Cycle:
+    """Cyclic garbage that records the thread it is finalized on."""
+
+    finalized_on: list[str] = []
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        _Cycle.finalized_on.append(threading.current_thread().name)
+
+
+def test_garbage_is_collected_on_the_gui_thread_while_a_window_is_open(qtbot):
+    """CI crashed collecting garbage in the edge worker's thread: while a window is open, only the GUI thread may."""
+    from PySide6.QtCore import QObject
+
+    assert gc.isenabled()
+    _Cycle.finalized_on.clear()
+    owner, other = QObject(), QObject()
+    first, second = GuiThreadCollector(owner), GuiThreadCollector(other)
+    try:
+        assert not gc.isenabled()
+        _Cycle()
+        # Far more live allocations than the collector's threshold: automatic collection would run in this thread.
+        kept: list = []
+        worker = threading.Thread(target=lambda: kept.extend([] for _ in range(50 * gc.get_threshold()[0])))
+        worker.start()
+        worker.join()
+        assert _Cycle.finalized_on == []
+        qtbot.waitUntil(lambda: _Cycle.finalized_on != [], timeout=5_000)  # the timer collects: gen 0 is past due
+        assert _Cycle.finalized_on == [threading.main_thread().name]
+        first.close()
+        first.close()  # twice is once
+        assert not gc.isenabled()  # the other is still open
+    finally:
+        first.close()
+        second.close()
+    assert gc.isenabled()
 
 
 def test_command_line_help():

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import QMainWindow, QProgressBar, QSplitter, QVBoxLayout,
 
 from specedge.edge_client.desktop import stats as figures
 from specedge.edge_client.desktop import worker as outcomes
+from specedge.edge_client.desktop.collector import GuiThreadCollector
 from specedge.edge_client.desktop.settings import ChatSettings, load_settings, save_settings
 from specedge.edge_client.desktop.settings_panel import SettingsPanel
 from specedge.edge_client.desktop.store import DEFAULT_TITLE, DONE, INTERRUPTED, STOPPED, STREAMING, ChatStore, history
@@ -67,6 +68,7 @@ class MainWindow(QMainWindow):
         self.current: int | None = None
         self.answer: _Answer | None = None
         self.state = State.CONNECTING
+        self._collector = GuiThreadCollector(self)  # before the worker's thread exists (collector.py says why)
         self.worker = EdgeWorker(config.worker)
         self._flush_timer = QTimer(self, singleShot=True, interval=config.flush_interval_ms)
         self._flush_timer.timeout.connect(self._flush)
@@ -299,5 +301,6 @@ class MainWindow(QMainWindow):
         self._flush_timer.stop()
         self.worker.shutdown()
         self.store.close()
+        self._collector.close()
         self._closed = True
         super().closeEvent(event)
