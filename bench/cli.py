@@ -5,7 +5,7 @@
     specedge-bench --target random:qwen2-7b --device cuda --modes ar specedge specedge_proactive
     specedge-bench profile                               # record the real pair's acceptance profile
     specedge-bench engine --out /tmp/engine              # the target's forwards against this machine's limits
-    specedge-bench neighbours --out /tmp/neighbours      # one identity's stream beside a heavy one, fair shares on/off
+    specedge-bench neighbours --out /tmp/neighbours      # a stream beside a heavy one: fair shares, gathering on/off
 
 Every failure ends in one line on stderr and exit status 2.
 """
@@ -143,7 +143,7 @@ def _neighbours_parser(sub) -> None:
     from .neighbours import SETTINGS, NeighboursConfig
 
     defaults = NeighboursConfig()
-    p = sub.add_parser("neighbours", help="a stream's latency beside a heavy identity, fair shares on and off")
+    p = sub.add_parser("neighbours", help="a stream's latency beside a heavy identity, fair shares, gathering on/off")
     p.add_argument("--target", default=defaults.target, help="server model; random:PRESET for random weights")
     p.add_argument("--device", default=defaults.device)
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(defaults.settings))

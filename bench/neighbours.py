@@ -2,9 +2,10 @@
 
     specedge-bench neighbours --target random:qwen2-0.5b --device cpu --out /tmp/neighbours
 
-One server per setting (fair shares, then arrival order), started as deployed,
-with the recommended limits (SECURITY.md): tokens for two identities, 8
-sessions, 4 per identity, 50 rounds a second per identity. Then:
+One server per setting (fair shares; fair shares without gathering; arrival
+order), started as deployed, with the recommended limits (SECURITY.md):
+tokens for two identities, 8 sessions, 4 per identity, 50 rounds a second
+per identity. Then:
 
 - A alone: one session of server-only rounds (empty drafts), greedy; its
   inter-token latency (ITL), from reply to reply at the edge;
@@ -42,7 +43,8 @@ from specedge.v1 import specedge_pb2_grpc
 
 from .server import ServerProcess
 
-SETTINGS = {"fair": [], "arrival": ["--no-fair-shares"]}  # fair shares on; off (the old arrival order)
+# Fair shares with gathering (the default); without gathering; neither (the old arrival order, still gathering).
+SETTINGS = {"fair": [], "fair-no-gather": ["--no-gather"], "arrival": ["--no-fair-shares"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +302,7 @@ def run_neighbours(config: NeighboursConfig, progress: Callable[[str], None] = p
                 "50",
                 *SETTINGS[setting],
             ]
-            if setting == "fair" and config.step_tokens is not None:
+            if "--no-fair-shares" not in SETTINGS[setting] and config.step_tokens is not None:
                 args += ["--step-tokens", str(config.step_tokens)]
             with ServerProcess(args) as server:
                 figures = asyncio.run(_measure(server.address, tokens, fingerprint, config))

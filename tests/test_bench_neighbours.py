@@ -1,4 +1,4 @@
-"""`specedge-bench neighbours` end to end on a tiny model: both settings measured, the figures where they belong.
+"""`specedge-bench neighbours` end to end on a tiny model: every setting measured, the figures where they belong.
 
 Timings are the benchmark's business; this checks what holds whatever the machine: with a fixed fair
 budget, B's 64-node rounds are cut; in arrival order nothing is cut and the batch cap is 512.
@@ -11,7 +11,7 @@ import json
 from bench import cli
 
 
-def test_neighbours_measures_both_settings(tiny_target_dir, tmp_path, capsys):
+def test_neighbours_measures_every_setting(tiny_target_dir, tmp_path, capsys):
     out = tmp_path / "neighbours"
     status = cli.main(
         [
@@ -32,12 +32,14 @@ def test_neighbours_measures_both_settings(tiny_target_dir, tmp_path, capsys):
     )
     assert status == 0, capsys.readouterr().err
     results = json.loads((out / "neighbours.json").read_text())
-    fair, arrival = results["settings"]["fair"], results["settings"]["arrival"]
-    for figures in (fair, arrival):
+    assert list(results["settings"]) == ["fair", "fair-no-gather", "arrival"]
+    fair, no_gather, arrival = results["settings"].values()
+    for figures in (fair, no_gather, arrival):
         assert figures["a_itl_alone_p50_ms"] > 0 and figures["a_itl_beside_p50_ms"] > 0
         assert figures["b_alone"]["rounds_per_s"] > 0 and figures["long_prefill"]["b_ttft_s"] > 0
     # A fixed budget (--step-tokens) caps every step, alone too: B's 4 x 65-token rounds are cut to 32 tokens.
-    assert fair["b_alone"]["cut_nodes"] > 0 and fair["step"]["budget_tokens"] == 32
+    for figures in (fair, no_gather):
+        assert figures["b_alone"]["cut_nodes"] > 0 and figures["step"]["budget_tokens"] == 32
     assert arrival["b_alone"]["cut_nodes"] == 0 and arrival["step"]["budget_tokens"] == 512
     assert "| ratio beside / alone |" in capsys.readouterr().out
     assert len(results["load_average_before"]) == 3
