@@ -53,7 +53,7 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
-    # How the target's matrix products run (server/matmul.py): auto (oneDNN-packed on CPU), eager, onednn.
+    # How the target's matrix products run (server/matmul.py): auto (numba, else oneDNN, on CPU), eager, numba, onednn.
     matmul: str = "auto"
     # How rows attend to their KV slots (server/attention.py): auto (flex on CUDA, rows elsewhere), rows, flex.
     attention: str = "auto"

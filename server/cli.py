@@ -41,9 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--matmul",
         default="auto",
-        choices=["auto", "eager", "onednn"],
-        help="matrix products: auto (oneDNN-packed weights on CPU, several times faster than eager for the "
-        "small batches of verify rounds), eager (torch's plain path), onednn",
+        choices=["auto", "eager", "numba", "onednn"],
+        help="matrix products: auto (on CPU, numba for float32, else oneDNN), eager (torch's plain path), numba "
+        "(plain float32 weights streamed at memory speed for small batches, oneDNN's GEMM for prefill), "
+        "onednn (weights packed for oneDNN; float32 or bfloat16)",
     )
     parser.add_argument(
         "--attention",

@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing
 from torch import distributed as dist
 
-from specedge.server.matmul import pack_for_onednn
+from specedge.server.matmul import pack_for_onednn, plain_for_numba
 from specedge.server.parallel import GroupCollectives, load_shard
 from specedge.server.runner import KVCache, ModelRunner
 from specedge.server.tp_runner import Op, send_step, serve_steps
@@ -85,7 +85,7 @@ class RankSpec:
     model_dir: str  # HF safetensors directory (a GGUF was converted before any rank started)
     device_type: str  # "cpu" or "cuda"
     dtype: str  # torch dtype name, e.g. "float32"
-    matmul: str  # the resolved matrix-product path, "eager" or "onednn" (server/matmul.py)
+    matmul: str  # the resolved matrix-product path: "eager", "numba" or "onednn" (server/matmul.py)
     attention: str  # the resolved attention path, "rows" or "flex" (server/attention.py)
     store_port: int | None  # rank 0's TCPStore on 127.0.0.1; None: torchrun's env:// rendezvous
     collective_timeout_s: float
@@ -299,6 +299,8 @@ def worker_main(spec: RankSpec) -> None:
         model = load_shard(model_dir, spec.rank, spec.world_size, GroupCollectives(), device=spec.device, dtype=dtype)
         if spec.matmul == "onednn":
             pack_for_onednn(model)
+        elif spec.matmul == "numba":
+            plain_for_numba(model)
         model.attention = spec.attention
 
         def make_runner(num_slots: int, max_len: int) -> ModelRunner:

@@ -2,28 +2,38 @@
 
 - `eager`: the model's own `nn.Linear` layers (MKL on CPU, cuBLAS on CUDA). The
   plain path, kept for comparison and wherever nothing faster applies.
+- `numba` (CPU, float32): the weights stay row-major, as loaded, in one copy (a
+  tied LM head reads the embedding table itself). A product of up to
+  `NUMBA_MAX_ROWS` rows, every decode and verify step's, runs a numba kernel
+  that streams the weights at memory speed (server/_matmul_numba.py); a larger
+  one (prefill) runs oneDNN's GEMM on the same plain weights, which measured as
+  fast as on its own packed layout. q/k/v and gate/up are fused as below.
 - `onednn` (CPU, float32 or bfloat16): every projection's weight is reordered
   once, at load, into oneDNN's blocked layout, and the original is freed, so
   memory holds one copy (a tied LM head keeps the embedding table beside its
   packed copy: the embedding lookup needs the plain rows). q/k/v and gate/up
   are fused into one product each, so a layer reads its weights in four
   passes instead of seven. This is the kernel inductor emits under freezing,
-  without the compile or its second copy of the weights. On a 2-core AMD EPYC,
-  eager MKL streams an 880 MB fp32 weight at 18-20 GB/s at M=1 and 8 GB/s at
-  M=5; oneDNN's packed product runs the same at memory speed (see
-  `specedge-bench engine` for this machine's figures).
-- `auto`: `onednn` where it is available for the device and dtype, else `eager`,
-  said in one log line.
+  without the compile or its second copy of the weights.
+- `auto`: `numba` for float32 on a CPU where numba compiles, else `onednn` where
+  it is available for the device and dtype, else `eager`, said in one log line.
 
-The packed kernel rounds differently from MKL (about 2e-4 on outputs of
-magnitude 40), so changing the path can change a near-tie greedy token; one
-server uses one path for every forward, so speculative and server-only
-decoding on it still agree token for token.
+On the 2-core AVX2 EPYC of `bench/results/`, over a [M, 1536] x [1536, 8960]
+product: eager MKL takes 4.9 ms at M = 1 and 16 ms at M = 5, packed oneDNN
+4.4 and 5.6 ms, the numba kernel 2.6 and 3.2 ms (a read of the same bytes:
+2.7 ms); from M = 64 oneDNN is as fast or faster (`specedge-bench engine`).
+
+Each path rounds differently (about 2e-4 on outputs of magnitude 40), so
+changing the path can change a near-tie greedy token; one server uses one path
+for every forward, so speculative and server-only decoding on it still agree
+token for token.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,7 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MATMUL_KINDS = ("auto", "eager", "onednn")
+MATMUL_KINDS = ("auto", "eager", "numba", "onednn")
+# Products of up to this many rows run the numba kernel; above, oneDNN's GEMM, which reuses each weight over more
+# rows. The kernel table of `specedge-bench engine` places the crossing between 40 and 64 rows on AVX2.
+NUMBA_MAX_ROWS = 48
 
 
 class PackedLinear(nn.Module):
@@ -57,6 +70,63 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PlainLinear(nn.Module):
+    """y = x @ W.T + b with W as loaded (row-major float32 on a CPU): the numba kernel for up to
+    NUMBA_MAX_ROWS rows, oneDNN's GEMM on the same weight for more."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # Plain attributes, not parameters: the model's state dict keeps its own names for these weights.
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self._weight_rows = self.weight.numpy()  # the same memory, as the kernel takes it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).contiguous()
+        if x.shape[0] > NUMBA_MAX_ROWS:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        else:
+            compiled = numba_kernel()
+            assert compiled is not None, "PlainLinear is built only where the kernel compiled"
+            y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+            compiled.set_threads(torch.get_num_threads())
+            compiled.matmul(x.numpy(), self._weight_rows, y.numpy())
+            if self.bias is not None:
+                y += self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@functools.cache
+def numba_kernel() -> ModuleType | None:
+    """server/_matmul_numba.py compiled, or None where numba is missing or fails to compile."""
+    try:
+        from specedge.server import _matmul_numba
+
+        _matmul_numba.warm_up()
+    except Exception as error:  # noqa: BLE001 - missing or failing to compile both mean: another path
+        log.warning("the numba matrix kernel is unavailable here: %s", error)
+        return None
+    return _matmul_numba
+
+
+def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the numba path cannot run here, or None when it can."""
+    if device.type != "cpu":
+        return f"the numba kernel is for CPUs; {device.type} uses its own kernels"
+    if dtype != torch.float32:
+        return f"the numba kernel takes float32, not {str(dtype).removeprefix('torch.')}"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN for the larger products"
+    if numba_kernel() is None:
+        return "numba is missing or could not compile its kernel (logged above)"
+    return None
+
+
 def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the oneDNN path cannot run here, or None when it can."""
     if device.type != "cpu":
@@ -76,12 +146,17 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
         raise ValueError(f"unknown matmul path {kind!r}; choose one of {', '.join(MATMUL_KINDS)}")
     if kind == "eager":
         return "eager"
-    reason = onednn_unavailable(device, dtype)
-    if reason is None:
-        return "onednn"
-    if kind == "onednn":
-        raise ValueError(f"--matmul onednn cannot run: {reason}")
-    log.info("matrix products run eager: %s", reason)
+    reasons = {}
+    for path, unavailable in (("numba", numba_unavailable), ("onednn", onednn_unavailable)):
+        if kind not in ("auto", path):
+            continue
+        reason = unavailable(device, dtype)
+        if reason is None:
+            return path
+        if kind == path:
+            raise ValueError(f"--matmul {path} cannot run: {reason}")
+        reasons[path] = reason
+    log.info("matrix products run eager: %s", "; ".join(f"{path}: {why}" for path, why in reasons.items()))
     return "eager"
 
 
@@ -97,10 +172,34 @@ def pack_for_onednn(model: CausalLM) -> None:
         mlp.gate_proj = mlp.up_proj = None
         mlp.down_proj = _packed(mlp.down_proj)
     model.lm_head = _packed(model.lm_head)
-    # What stays unpacked (the embedding, norms) may still point into the checkpoint's memory map,
-    # which would keep the whole file resident beside the packed copies: give them memory of their own.
+    _own_memory(model)  # what stays unpacked: the embedding, norms
+
+
+@torch.no_grad()
+def plain_for_numba(model: CausalLM) -> None:
+    """Replace every projection of a CausalLM (server/model.py) by its fused, plain form, in place."""
+    _own_memory(model)
+    for layer in model.model.decoder_layers():
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _fused(attn.q_proj, attn.k_proj, attn.v_proj, make=PlainLinear)
+        attn.q_proj = attn.k_proj = attn.v_proj = None  # frees the separate weights
+        attn.o_proj = _plain(attn.o_proj)
+        mlp.gate_up_proj = _fused(mlp.gate_proj, mlp.up_proj, make=PlainLinear)
+        mlp.gate_proj = mlp.up_proj = None
+        mlp.down_proj = _plain(mlp.down_proj)
+    model.lm_head = _plain(model.lm_head)  # a tied head shares the embedding's tensor: no copy
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Weights may still point into the checkpoint's memory map, which would keep the whole file resident beside
+    what the model uses: give them memory of their own."""
     for tensor in (*model.parameters(), *model.buffers()):
         tensor.data = tensor.data.clone()
+
+
+def _plain(module: nn.Module | None) -> PlainLinear:
+    linear = _as_linear(module)
+    return PlainLinear(linear.weight, linear.bias)
 
 
 def _as_linear(module: nn.Module | None) -> nn.Linear:
@@ -114,9 +213,9 @@ def _packed(module: nn.Module | None) -> PackedLinear:
     return PackedLinear(linear.weight, linear.bias)
 
 
-def _fused(*modules: nn.Module | None) -> PackedLinear:
+def _fused(*modules: nn.Module | None, make: type[PackedLinear] | type[PlainLinear] = PackedLinear) -> nn.Module:
     linears = [_as_linear(module) for module in modules]
     weight = torch.cat(tuple(linear.weight for linear in linears))  # [sum(out), in]
     biases = [linear.bias for linear in linears]
     bias = None if biases[0] is None else torch.cat(tuple(biases))
-    return PackedLinear(weight, bias)
+    return make(weight, bias)

@@ -11,8 +11,10 @@ from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 ATOL = 1e-4
 
 
-def _runner(model_dir, num_slots=4, max_len=128):
-    target = load_target(ResolvedModel("tiny", "hf", model_dir), device=torch.device("cpu"), dtype=torch.float32)
+def _runner(model_dir, num_slots=4, max_len=128, matmul="eager"):
+    resolved = ResolvedModel("tiny", "hf", model_dir)
+    target = load_target(resolved, device=torch.device("cpu"), dtype=torch.float32, matmul=matmul)
+    assert target.matmul == matmul
     kv = KVCache(target.model, num_slots=num_slots, max_len=max_len, device=torch.device("cpu"), dtype=torch.float32)
     return ModelRunner(target.model, kv)
 
@@ -27,21 +29,28 @@ def _hf_logits(model_dir, token_ids):
 FAMILIES = ["tiny_target_dir", "tiny_llama_dir", "tiny_qwen3_dir", "tiny_llama3_dir"]
 
 
+# Every matrix path (server/matmul.py). numba's kernel takes products of up to 48 rows and oneDNN's GEMM larger
+# ones: the 67-token prefill below runs the latter, the steps after it the former.
+MATMULS = ["eager", "numba", "onednn"]
+
+
+@pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("fixture", FAMILIES)
-def test_prefill_logits_match_transformers(request, fixture):
+def test_prefill_logits_match_transformers(request, fixture, matmul):
     model_dir = request.getfixturevalue(fixture)
     tokens = list(range(3, 70))  # past the Llama 3 fixture's original context of 32
-    runner = _runner(model_dir)
+    runner = _runner(model_dir, matmul=matmul)
     [ours] = runner.forward([ForwardRequest(slot=1, num_cached=0, token_ids=tuple(tokens))])
     torch.testing.assert_close(ours, _hf_logits(model_dir, tokens), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("fixture", FAMILIES)
-def test_sessions_of_different_lengths_in_one_batch(request, fixture):
+def test_sessions_of_different_lengths_in_one_batch(request, fixture, matmul):
     """Each row sees only its own slot: batching must not change any row's logits."""
     tiny_target_dir = request.getfixturevalue(fixture)
     a, b = list(range(5, 50)), list(range(100, 108))
-    runner = _runner(tiny_target_dir)
+    runner = _runner(tiny_target_dir, matmul=matmul)
     # Prefill both, then one step each in a single mixed batch (a decode + a 4-token chain).
     runner.forward([ForwardRequest(0, 0, tuple(a[:-1]), all_logits=False), ForwardRequest(2, 0, tuple(b[:-4]))])
     step_a, step_b = runner.forward(

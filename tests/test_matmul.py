@@ -1,0 +1,77 @@
+"""The matrix-product paths (server/matmul.py): what each computes, what it keeps in memory, and which one runs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specedge.registry import ResolvedModel
+from specedge.server import matmul
+from specedge.server.loading import load_target
+from specedge.server.matmul import NUMBA_MAX_ROWS, PlainLinear, resolve_matmul
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("out_features", [4, 7, 130])  # 7 and 130 leave a partial block of four weight rows
+def test_plain_linear_equals_the_linear_it_replaces(out_features, bias):
+    torch.manual_seed(out_features)
+    linear = torch.nn.Linear(48, out_features, bias=bias)
+    plain = PlainLinear(linear.weight, linear.bias)
+    # Odd and even row counts (the kernel pairs rows), both sides of the kernel's limit, and a 3-d input.
+    for rows in (1, 2, 3, 8, NUMBA_MAX_ROWS, NUMBA_MAX_ROWS + 1, 97):
+        x = torch.randn(rows, 48)
+        with torch.inference_mode():
+            torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        x = torch.randn(2, 5, 48)
+        torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_numba_path_keeps_one_copy_of_the_weights(tiny_llama3_dir):
+    """Fused q/k/v and gate/up replace the separate weights, and a tied LM head reads the embedding itself."""
+    target = load_target(ResolvedModel("tiny", "hf", tiny_llama3_dir), device=CPU, dtype=torch.float32, matmul="numba")
+    model = target.model
+    assert target.matmul == "numba"
+    head = model.lm_head
+    assert isinstance(head, PlainLinear)
+    assert head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # the fixture ties them
+    for layer in model.model.decoder_layers():
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.q_proj is None and attn.k_proj is None and attn.v_proj is None
+        assert mlp.gate_proj is None and mlp.up_proj is None
+        assert all(isinstance(m, PlainLinear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
+
+def test_auto_chooses_by_device_and_dtype_and_names_what_cannot_run():
+    assert resolve_matmul("auto", CPU, torch.float32) == "numba"
+    assert resolve_matmul("eager", CPU, torch.float32) == "eager"
+    assert resolve_matmul("onednn", CPU, torch.float32) == "onednn"
+    # numba's kernel is float32 only: bfloat16 goes to oneDNN where this CPU has its bfloat16 kernels.
+    bf16 = "onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "eager"
+    assert resolve_matmul("auto", CPU, torch.bfloat16) == bf16
+    with pytest.raises(ValueError, match="--matmul numba cannot run: the numba kernel takes float32, not bfloat16"):
+        resolve_matmul("numba", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="--matmul numba cannot run: the numba kernel is for CPUs; cuda"):
+        resolve_matmul("numba", torch.device("cuda"), torch.float32)
+    assert resolve_matmul("auto", torch.device("cuda"), torch.float32) == "eager"
+    with pytest.raises(ValueError, match="unknown matmul path 'fast'"):
+        resolve_matmul("fast", CPU, torch.float32)
+
+
+def test_without_the_kernel_auto_falls_back_to_onednn(monkeypatch, caplog):
+    monkeypatch.setattr(matmul, "numba_kernel", lambda: None)  # numba missing, or failing to compile
+    assert resolve_matmul("auto", CPU, torch.float32) == "onednn"
+    with pytest.raises(ValueError, match="--matmul numba cannot run: numba is missing or could not compile"):
+        resolve_matmul("numba", CPU, torch.float32)
+    monkeypatch.setattr(matmul, "onednn_unavailable", lambda device, dtype: "this torch build has no oneDNN")
+    with caplog.at_level(logging.INFO, logger="specedge.server.matmul"):
+        assert resolve_matmul("auto", CPU, torch.float32) == "eager"
+    [line] = [record.getMessage() for record in caplog.records]
+    assert line == (
+        "matrix products run eager: numba: numba is missing or could not compile its kernel (logged above); "
+        "onednn: this torch build has no oneDNN"
+    )
