@@ -1,6 +1,6 @@
 """`specedge-bench engine`: how close the target's forwards come to this machine's limits, in one run.
 
-    specedge-bench engine --out /tmp/engine                  # the real 1.5B, eager and onednn, 5 repeats
+    specedge-bench engine --out /tmp/engine                  # the real 1.5B, every matmul path, 5 repeats
     specedge-bench engine --steps 1x1 8x5 --matmul onednn --repeats 3
 
 Measured one after the other in this process (CPU only):
@@ -46,13 +46,13 @@ from specedge import noise
 from specedge.registry import ResolvedModel, resolve
 from specedge.server.draws import RowDraw, draw_rows
 from specedge.server.loading import load_target, weights_dir
-from specedge.server.matmul import PackedLinear, onednn_unavailable
+from specedge.server.matmul import PackedLinear, PlainLinear, numba_unavailable, onednn_unavailable
 from specedge.server.model import ModelArgs
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.types import SamplingParams, SparseDist
 
-PATHS = ("eager", "onednn")
-KERNELS = ("eager", "onednn", "onednn@16", "inductor")  # matrix kernels compared at small M
+PATHS = ("eager", "onednn", "numba")
+KERNELS = ("eager", "onednn", "onednn@16", "inductor", "numba")  # matrix kernels compared at small M
 # onednn: packed as the server packs (for one row); onednn@16: laid out for 16-row batches; inductor: frozen
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_STEPS = ("1x1", "1x5", "8x1", "8x5", "16x5", "7x5+p120", "p155")
@@ -110,7 +110,7 @@ class EngineBenchConfig:
     prefix: int = 200  # cached tokens of each non-prefill row (and HF's prompt)
     stream_gb: float = 2.0  # size of the tensor summed to measure memory bandwidth
     gemm_m: tuple[int, ...] = (64, 128, 256)  # GEMM rows tried for the peak rate
-    kernel_m: tuple[int, ...] = (1, 2, 5, 8, 40)  # rows at which the matrix kernels are compared; () skips
+    kernel_m: tuple[int, ...] = (1, 2, 5, 8, 16, 40, 64)  # rows at which the matrix kernels are compared; () skips
     hf_decode: int = 16  # HF greedy decode steps timed; 0 skips HF
     host_rows: int = 64  # rows of HOST_TOKENS_PER_ROW logits each for the host-time draws
 
@@ -129,8 +129,9 @@ class EngineBenchConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not 0 < self.stream_gb <= 64:
             raise ValueError(f"--stream-gb must be in (0, 64], got {self.stream_gb}")
-        if "onednn" in self.matmul and (reason := onednn_unavailable(torch.device("cpu"), DTYPES[self.dtype])):
-            raise ValueError(f"--matmul onednn cannot run: {reason}")
+        for path, unavailable in (("onednn", onednn_unavailable), ("numba", numba_unavailable)):
+            if path in self.matmul and (reason := unavailable(torch.device("cpu"), DTYPES[self.dtype])):
+                raise ValueError(f"--matmul {path} cannot run: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,19 +202,33 @@ def _memory() -> dict:
 
 
 def stream_bandwidth(gb: float, repeats: int) -> dict:
-    """GB/s of a sum over a float32 tensor far larger than any cache (every core reads its share)."""
+    """GB/s of reading a float32 tensor far larger than any cache, every core its share: the faster of torch's sum
+    and, where numba compiles, the numba kernel's one-row product over it (which reads each byte once)."""
     data = torch.ones(int(gb * 1e9) // 4)
-    times = _times_ms(data.sum, repeats)
-    rates = [data.nbytes / (t * 1e6) for t in times]
-    return {"bytes": data.nbytes, "times_ms": times, "gb_s_median": statistics.median(rates), "gb_s_best": max(rates)}
+    readers: dict[str, Callable[[], object]] = {"torch sum": data.sum}
+    if numba_unavailable(torch.device("cpu"), torch.float32) is None:
+        columns = 1536
+        rows = PlainLinear(data[: data.numel() // columns * columns].view(-1, columns), None)
+        x = torch.ones(1, columns)
+        readers["numba product, M=1"] = functools.partial(rows, x)
+    measured: dict[str, dict] = {}
+    for name, read in readers.items():
+        times = _times_ms(read, repeats)
+        rates = [data.nbytes / (t * 1e6) for t in times]
+        measured[name] = {"times_ms": times, "gb_s_median": statistics.median(rates), "gb_s_best": max(rates)}
+    best = max(measured, key=lambda name: float(measured[name]["gb_s_median"]))
+    return {"bytes": data.nbytes, "by": best, **measured[best], "readers": measured}
 
 
 def gemm_rates(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
-    """GFLOP/s of y = x W^T on [out, in] W for each M, eager and (where it runs) oneDNN-packed; medians."""
+    """GFLOP/s of y = x W^T on [out, in] W for each M, eager and (where they run) the oneDNN and numba paths;
+    medians."""
     weight = torch.randn(out_features, in_features).to(dtype)
     paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"eager": lambda x: F.linear(x, weight)}
     if onednn_unavailable(torch.device("cpu"), dtype) is None:
         paths["onednn"] = PackedLinear(weight, None)
+    if numba_unavailable(torch.device("cpu"), dtype) is None:
+        paths["numba"] = PlainLinear(weight, None)  # past NUMBA_MAX_ROWS: oneDNN's GEMM on the plain weight
     rows: list[dict] = []
     with torch.inference_mode():
         for m in ms:
@@ -236,6 +251,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     why_not = onednn_unavailable(torch.device("cpu"), dtype)
     kernels["onednn"] = why_not or PackedLinear(linear.weight, None)
     kernels["onednn@16"] = why_not or PackedLinear(linear.weight, None, rows=16)
+    kernels["numba"] = numba_unavailable(torch.device("cpu"), dtype) or PlainLinear(linear.weight, None)
     rows, compile_s = [], {}
     with torch.inference_mode():
         for m in ms:
@@ -556,9 +572,12 @@ def engine_markdown(results: dict) -> str:
         "",
         "| limit | median | best | measured on |",
         "|---|---|---|---|",
-        f"| memory stream | {stream['gb_s_median']:.1f} GB/s | {stream['gb_s_best']:.1f} GB/s | "
-        f"sum over {stream['bytes'] / 1e9:.2f} GB float32 |",
     ]
+    for name, read in stream.get("readers", {"sum": stream}).items():
+        lines.append(
+            f"| memory stream{' (used)' if name == stream.get('by') else ''} | {read['gb_s_median']:.1f} GB/s | "
+            f"{read['gb_s_best']:.1f} GB/s | {name} over {stream['bytes'] / 1e9:.2f} GB float32 |"
+        )
     for row in gemm["rows"]:
         best = 2 * row["m"] * math.prod(gemm["shape"]) / (min(row["times_ms"]) * 1e6)
         lines.append(
@@ -567,6 +586,8 @@ def engine_markdown(results: dict) -> str:
         )
     lines += _kernel_lines(limits.get("kernels"), bandwidth)
     gflop_per_token = 2 * (model["layer_params"] + model["head_params"]) / 1e9
+    timed = [p for p in PATHS if p in paths]
+    baseline = "eager" in paths and len(timed) > 1  # the plain path, and something to compare it with
     lines += [
         "",
         f"Roofline of a forward = max(weight bytes / {bandwidth:.1f} GB/s, FLOPs / {_rate(peak)} GFLOP/s), the median "
@@ -576,15 +597,22 @@ def engine_markdown(results: dict) -> str:
         "",
         f"## Forwards ({config['prefix']} cached tokens per row; median of {config['repeats']})",
         "",
-        "| step | tokens | eager ms | onednn ms | roofline ms | eager/roofline | onednn/roofline | speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step | tokens | "
+        + " | ".join(f"{p} ms" for p in timed)
+        + " | roofline ms | "
+        + " | ".join(f"{p}/roofline" for p in timed)
+        + (" | fastest vs eager |" if baseline else " |"),
+        "|---" * (3 + 2 * len(timed) + bool(baseline)) + "|",
     ]
     for name, roof in results["roofline"].items():
-        eager, onednn = (paths[p]["steps"][name]["ms"] if p in paths else None for p in PATHS)
+        ms = {p: paths[p]["steps"][name]["ms"] for p in timed}
+        fastest = min(ms[p] for p in timed if p != "eager") if baseline else None
         lines.append(
-            f"| {name} | {roof['tokens']} | {_ms(eager)} | {_ms(onednn)} | {roof['ms']:.1f} | "
-            f"{_x(eager and eager / roof['ms'])} | {_x(onednn and onednn / roof['ms'])} | "
-            f"{_x(eager / onednn if eager and onednn else None)} |"
+            f"| {name} | {roof['tokens']} | "
+            + " | ".join(_ms(ms[p]) for p in timed)
+            + f" | {roof['ms']:.1f} | "
+            + " | ".join(_x(ms[p] / roof["ms"]) for p in timed)
+            + (f" | {_x(ms['eager'] / fastest)} |" if fastest else " |")
         )
     hf, host = results["hf"], results["host"]
     lines += ["", "## transformers' own greedy decoding, same weights", ""]

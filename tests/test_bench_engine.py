@@ -97,7 +97,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert not missing, f"missing or non-positive figures: {missing}"
     assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(PATHS)
     [kernels] = results["limits"]["kernels"]["rows"]
-    assert kernels["m"] == 3 and kernels["eager"] > 0 and kernels["onednn"] > 0 and kernels["onednn@16"] > 0
+    assert kernels["m"] == 3 and all(kernels[name] > 0 for name in ("eager", "onednn", "onednn@16", "numba"))
     # inductor's frozen product compiles where a C++ compiler is found; otherwise the table says why not
     assert (isinstance(kernels["inductor"], float) and kernels["inductor"] > 0) or kernels["inductor"].startswith(
         "not run:"
@@ -107,15 +107,23 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
 
     table = (out / "engine.md").read_text()
     assert table in captured.out
-    header = "| step | tokens | eager ms | onednn ms | roofline ms | eager/roofline | onednn/roofline | speed-up |"
+    header = (
+        "| step | tokens | eager ms | onednn ms | numba ms | roofline ms | eager/roofline | onednn/roofline | "
+        "numba/roofline | fastest vs eager |"
+    )
     assert header in table
-    assert "| M | eager ms | onednn ms | onednn@16 ms | inductor ms | best / floor |" in table
+    assert "| M | eager ms | onednn ms | onednn@16 ms | inductor ms | numba ms | best / floor |" in table
+    # The stream is the faster of two reads of the same tensor, both reported.
+    stream = results["limits"]["stream"]
+    assert set(stream["readers"]) == {"torch sum", "numba product, M=1"} and stream["by"] in stream["readers"]
+    assert stream["gb_s_median"] == max(read["gb_s_median"] for read in stream["readers"].values())
+    assert "| memory stream (used) |" in table
     assert "| draws | flat ms | peaked ms |" in table
     rows = [line for line in table.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))]
     assert len(rows) == len(DEFAULT_STEPS) and all("| - |" not in row for row in rows), rows
 
 
-def test_one_path_leaves_the_other_columns_empty(tiny_target_dir, capsys):
+def test_one_path_gets_the_only_columns(tiny_target_dir, capsys):
     status = cli.main(
         [
             "engine",
@@ -145,7 +153,8 @@ def test_one_path_leaves_the_other_columns_empty(tiny_target_dir, capsys):
     assert status == 0
     [row] = [line for line in out.splitlines() if line.startswith("| 2x3 |")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
-    assert cells[1] == "6" and cells[2] == "-" and float(cells[3]) > 0 and cells[5] == "-" and cells[7] == "-"
+    assert len(cells) == 5 and cells[1] == "6" and float(cells[2]) > 0 and cells[4].endswith("x")
+    assert "| step | tokens | onednn ms | roofline ms | onednn/roofline |" in out
     assert "Skipped: --hf-decode 0." in out and "Matrix kernels" not in out  # --kernel-m with no M skips them
 
 
@@ -161,5 +170,5 @@ def test_bad_engine_options_end_in_one_line(capsys, tmp_path):
         assert cli.main(["engine", *bad, "--no-progress"]) == 2, bad
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 6 and all(line.startswith("specedge-bench: ") for line in lines), lines
-    assert "--steps wants ROWSxTOKENS" in lines[0] and "--matmul takes eager and/or onednn" in lines[1]
+    assert "--steps wants ROWSxTOKENS" in lines[0] and "--matmul takes eager and/or onednn and/or numba" in lines[1]
     assert "--dtype takes float32 or bfloat16" in lines[2] and "no such model" in lines[5]
