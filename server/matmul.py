@@ -24,9 +24,10 @@ product: eager MKL takes 4.9 ms at M = 1 and 16 ms at M = 5, packed oneDNN
 2.7 ms); from M = 64 oneDNN is as fast or faster (`specedge-bench engine`).
 
 Each path rounds differently (about 2e-4 on outputs of magnitude 40), so
-changing the path can change a near-tie greedy token; one server uses one path
-for every forward, so speculative and server-only decoding on it still agree
-token for token.
+changing the path can change a near-tie greedy token. One server uses one path
+for every forward; within it, as with any kernel, a row's rounding may depend
+on the step's size (README, "Lossless, and its one caveat"), so speculative and
+server-only decoding agree token for token up to near ties.
 """
 
 from __future__ import annotations
