@@ -573,9 +573,9 @@ def engine_markdown(results: dict) -> str:
         "| limit | median | best | measured on |",
         "|---|---|---|---|",
     ]
-    for name, read in stream.get("readers", {"sum": stream}).items():
+    for name, read in stream["readers"].items():
         lines.append(
-            f"| memory stream{' (used)' if name == stream.get('by') else ''} | {read['gb_s_median']:.1f} GB/s | "
+            f"| memory stream{' (used)' if name == stream['by'] else ''} | {read['gb_s_median']:.1f} GB/s | "
             f"{read['gb_s_best']:.1f} GB/s | {name} over {stream['bytes'] / 1e9:.2f} GB float32 |"
         )
     for row in gemm["rows"]:

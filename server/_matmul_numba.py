@@ -11,16 +11,12 @@ blocked GEMM reuses each weight over many more rows.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
+from specedge.server._race_numba import set_threads  # noqa: F401 - the one thread setting for both kernels
+
 _ZERO = np.float32(0.0)
-
-
-def set_threads(num_threads: int) -> None:
-    # numba.config sets its attributes at import, from the environment: mypy cannot see them.
-    numba.set_num_threads(max(1, min(num_threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
 
 
 def warm_up() -> None:

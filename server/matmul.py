@@ -164,31 +164,31 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
 @torch.no_grad()
 def pack_for_onednn(model: CausalLM) -> None:
     """Replace every projection of a CausalLM (server/model.py) by its packed, fused form, in place."""
-    for layer in model.model.decoder_layers():
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _fused(attn.q_proj, attn.k_proj, attn.v_proj)
-        attn.q_proj = attn.k_proj = attn.v_proj = None  # frees the plain weights
-        attn.o_proj = _packed(attn.o_proj)
-        mlp.gate_up_proj = _fused(mlp.gate_proj, mlp.up_proj)
-        mlp.gate_proj = mlp.up_proj = None
-        mlp.down_proj = _packed(mlp.down_proj)
-    model.lm_head = _packed(model.lm_head)
+    _replace_projections(model, PackedLinear)
     _own_memory(model)  # what stays unpacked: the embedding, norms
 
 
 @torch.no_grad()
 def plain_for_numba(model: CausalLM) -> None:
     """Replace every projection of a CausalLM (server/model.py) by its fused, plain form, in place."""
-    _own_memory(model)
+    _own_memory(model)  # first: the plain forms keep these tensors (a tied head, the embedding's), not copies
+    _replace_projections(model, PlainLinear)
+
+
+Projection = type[PackedLinear] | type[PlainLinear]
+
+
+def _replace_projections(model: CausalLM, make: Projection) -> None:
+    """q/k/v and gate/up fused into one product each, so a layer reads its weights in four passes, not seven."""
     for layer in model.model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _fused(attn.q_proj, attn.k_proj, attn.v_proj, make=PlainLinear)
+        attn.qkv_proj = _fused(make, attn.q_proj, attn.k_proj, attn.v_proj)
         attn.q_proj = attn.k_proj = attn.v_proj = None  # frees the separate weights
-        attn.o_proj = _plain(attn.o_proj)
-        mlp.gate_up_proj = _fused(mlp.gate_proj, mlp.up_proj, make=PlainLinear)
+        attn.o_proj = _fused(make, attn.o_proj)
+        mlp.gate_up_proj = _fused(make, mlp.gate_proj, mlp.up_proj)
         mlp.gate_proj = mlp.up_proj = None
-        mlp.down_proj = _plain(mlp.down_proj)
-    model.lm_head = _plain(model.lm_head)  # a tied head shares the embedding's tensor: no copy
+        mlp.down_proj = _fused(make, mlp.down_proj)
+    model.lm_head = _fused(make, model.lm_head)
 
 
 def _own_memory(model: nn.Module) -> None:
@@ -198,24 +198,17 @@ def _own_memory(model: nn.Module) -> None:
         tensor.data = tensor.data.clone()
 
 
-def _plain(module: nn.Module | None) -> PlainLinear:
-    linear = _as_linear(module)
-    return PlainLinear(linear.weight, linear.bias)
-
-
 def _as_linear(module: nn.Module | None) -> nn.Linear:
     if not isinstance(module, nn.Linear):  # e.g. packed already: a model is packed once, as loaded
         raise TypeError(f"only a model's nn.Linear projections are packed, not {type(module).__name__}")
     return module
 
 
-def _packed(module: nn.Module | None) -> PackedLinear:
-    linear = _as_linear(module)
-    return PackedLinear(linear.weight, linear.bias)
-
-
-def _fused(*modules: nn.Module | None, make: type[PackedLinear] | type[PlainLinear] = PackedLinear) -> nn.Module:
+def _fused(make: Projection, *modules: nn.Module | None) -> nn.Module:
+    """One `make` projection over the modules' weights stacked by output; one module's own weight, uncopied."""
     linears = [_as_linear(module) for module in modules]
+    if len(linears) == 1:
+        return make(linears[0].weight, linears[0].bias)
     weight = torch.cat(tuple(linear.weight for linear in linears))  # [sum(out), in]
     biases = [linear.bias for linear in linears]
     bias = None if biases[0] is None else torch.cat(tuple(biases))
