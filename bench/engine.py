@@ -11,7 +11,8 @@ Measured one after the other in this process (CPU only):
    the server packs, for one row, and laid out for 16-row batches),
    and inductor's compiled product with frozen weights (the alternative the packed path was chosen over);
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
-   bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1;
+   bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1; where attention is compiled (numba,
+   the CPU float32 default), each forward also on the row loop, the two taken in turn;
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
 4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits;
 5. peak RSS after each phase and the KV cache each path reserved.
@@ -47,7 +48,7 @@ from specedge.registry import ResolvedModel, resolve
 from specedge.server.draws import RowDraw, draw_rows
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import PackedLinear, PlainLinear, numba_unavailable, onednn_unavailable
-from specedge.server.model import ModelArgs
+from specedge.server.model import CausalLM, ModelArgs
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.types import SamplingParams, SparseDist
 
@@ -184,6 +185,24 @@ def _times_ms(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
+def _alternating_ms(
+    forward: Callable[[], object], model: CausalLM, attentions: tuple[str, str], repeats: int
+) -> tuple[list[float], list[float]]:
+    """`repeats` timings of forward on each of two attention paths, taken in turn (after one untimed call each)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    try:
+        for repeat in range(repeats + 1):
+            for attention, into in zip(attentions, times):
+                model.attention = attention
+                start = time.perf_counter()
+                forward()
+                if repeat:
+                    into.append((time.perf_counter() - start) * 1e3)
+    finally:
+        model.attention = attentions[0]
+    return times
+
+
 def _memory() -> dict:
     """Peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS) and, where /proc exists, the RSS now.
 
@@ -315,16 +334,33 @@ def time_path(
     for cache in (*kv.k, *kv.v):
         cache[1:, : config.prefix] = cache[0, : config.prefix]
     results: dict[str, dict] = {}
+    attention = model.attention
     for step in steps:
-        requests = step.requests(config.prefix, token_ids)
-        times = _times_ms(functools.partial(runner.forward_packed, requests), config.repeats)
-        results[step.name] = {"ms": statistics.median(times), "times_ms": times}
+        forward = functools.partial(runner.forward_packed, step.requests(config.prefix, token_ids))
+        if attention == "rows":
+            times = _times_ms(forward, config.repeats)
+            results[step.name] = {"ms": statistics.median(times), "times_ms": times}
+        else:  # the compiled attention, and the row loop as its baseline, alternating so drift hits both alike
+            times, row_times = _alternating_ms(forward, model, (attention, "rows"), config.repeats)
+            results[step.name] = {
+                "ms": statistics.median(times),
+                "times_ms": times,
+                "rows_attention_ms": statistics.median(row_times),
+                "rows_attention_times_ms": row_times,
+            }
         progress(f"{path} {step.name}: {results[step.name]['ms']:.1f} ms")
     largest = max(steps, key=lambda step: step.num_logits)
     sample = runner.forward_packed(largest.requests(config.prefix, token_ids))  # [num_logits, vocab]
     assert sample is not None, "one process: the logits are all here"
     kv_bytes = sum(t.nbytes for t in (*kv.k, *kv.v))
-    figures = {"matmul": target.matmul, "load_s": load_s, "steps": results, "kv_cache_bytes": kv_bytes, **_memory()}
+    figures = {
+        "matmul": target.matmul,
+        "attention": attention,
+        "load_s": load_s,
+        "steps": results,
+        "kv_cache_bytes": kv_bytes,
+        **_memory(),
+    }
     return figures, sample, model.args
 
 
@@ -542,6 +578,30 @@ def _kernel_lines(kernels: dict | None, bandwidth: float) -> list[str]:
     return lines
 
 
+def _attention_lines(roofline: dict, paths: dict, timed: list[str]) -> list[str]:
+    """The compiled attention against the row loop, each path's forwards taken in turn on both."""
+    compared = [p for p in timed if paths[p].get("attention", "rows") != "rows"]
+    if not compared:
+        return []
+    attention = paths[compared[0]]["attention"]
+    lines = [
+        "",
+        f"## Attention: {attention} against the row loop (the same forwards, taken in turn)",
+        "",
+        "| step | " + " | ".join(f"{p}: {attention} ms | rows ms | ratio" for p in compared) + " |",
+        "|---" * (1 + 3 * len(compared)) + "|",
+    ]
+    for name in roofline:
+        cells = []
+        for p in compared:
+            step = paths[p]["steps"][name]
+            cells.append(
+                f"{step['ms']:.1f} | {step['rows_attention_ms']:.1f} | {_x(step['ms'] / step['rows_attention_ms'])}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _kernel_ms(value: float | str) -> str:
     return f"{value:.2f}" if isinstance(value, float) else "-"
 
@@ -614,6 +674,7 @@ def engine_markdown(results: dict) -> str:
             + " | ".join(_x(ms[p] / roof["ms"]) for p in timed)
             + (f" | {_x(ms['eager'] / fastest)} |" if fastest else " |")
         )
+    lines += _attention_lines(results["roofline"], paths, timed)
     hf, host = results["hf"], results["host"]
     lines += ["", "## transformers' own greedy decoding, same weights", ""]
     if "skipped" in hf:

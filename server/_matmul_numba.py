@@ -37,53 +37,10 @@ def matmul(x, w, y):
         if o + 4 <= n:
             m = 0
             while m + 1 < m_rows:
-                a0 = _ZERO
-                a1 = _ZERO
-                a2 = _ZERO
-                a3 = _ZERO
-                b0 = _ZERO
-                b1 = _ZERO
-                b2 = _ZERO
-                b3 = _ZERO
-                for i in range(k):
-                    u = x[m, i]
-                    v = x[m + 1, i]
-                    p0 = w[o, i]
-                    p1 = w[o + 1, i]
-                    p2 = w[o + 2, i]
-                    p3 = w[o + 3, i]
-                    a0 += u * p0
-                    a1 += u * p1
-                    a2 += u * p2
-                    a3 += u * p3
-                    b0 += v * p0
-                    b1 += v * p1
-                    b2 += v * p2
-                    b3 += v * p3
-                y[m, o] = a0
-                y[m, o + 1] = a1
-                y[m, o + 2] = a2
-                y[m, o + 3] = a3
-                y[m + 1, o] = b0
-                y[m + 1, o + 1] = b1
-                y[m + 1, o + 2] = b2
-                y[m + 1, o + 3] = b3
+                dot_4x2(x, m, m + 1, w, o, 1, y, o)
                 m += 2
             if m < m_rows:
-                a0 = _ZERO
-                a1 = _ZERO
-                a2 = _ZERO
-                a3 = _ZERO
-                for i in range(k):
-                    u = x[m, i]
-                    a0 += u * w[o, i]
-                    a1 += u * w[o + 1, i]
-                    a2 += u * w[o + 2, i]
-                    a3 += u * w[o + 3, i]
-                y[m, o] = a0
-                y[m, o + 1] = a1
-                y[m, o + 2] = a2
-                y[m, o + 3] = a3
+                dot_4x1(x, m, w, o, 1, y, o)
         else:  # the last 1-3 weight rows
             for j in range(o, n):
                 for m in range(m_rows):
@@ -91,3 +48,37 @@ def matmul(x, w, y):
                     for i in range(k):
                         acc += x[m, i] * w[j, i]
                     y[m, j] = acc
+
+
+@njit(inline="always", fastmath=True)
+def dot_4x2(x, m0, m1, w, o, step, out, column):
+    """Rows m0 and m1 of x [M, K] against rows o, o + step, o + 2 step, o + 3 step of w [N, K], into
+    out[m0 and m1, column:column + 4]: eight dot products, kept in registers (numba keeps scalars there,
+    not arrays), each w row read once for both."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _ZERO
+    for i in range(x.shape[1]):
+        u, v = x[m0, i], x[m1, i]
+        p0, p1, p2, p3 = w[o, i], w[o + step, i], w[o + 2 * step, i], w[o + 3 * step, i]
+        a0 += u * p0
+        a1 += u * p1
+        a2 += u * p2
+        a3 += u * p3
+        b0 += v * p0
+        b1 += v * p1
+        b2 += v * p2
+        b3 += v * p3
+    out[m0, column], out[m0, column + 1], out[m0, column + 2], out[m0, column + 3] = a0, a1, a2, a3
+    out[m1, column], out[m1, column + 1], out[m1, column + 2], out[m1, column + 3] = b0, b1, b2, b3
+
+
+@njit(inline="always", fastmath=True)
+def dot_4x1(x, m, w, o, step, out, column):
+    """Row m of x against four rows of w, into out[m, column:column + 4], as dot_4x2."""
+    a0 = a1 = a2 = a3 = _ZERO
+    for i in range(x.shape[1]):
+        u = x[m, i]
+        a0 += u * w[o, i]
+        a1 += u * w[o + step, i]
+        a2 += u * w[o + 2 * step, i]
+        a3 += u * w[o + 3 * step, i]
+    out[m, column], out[m, column + 1], out[m, column + 2], out[m, column + 3] = a0, a1, a2, a3

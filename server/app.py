@@ -146,7 +146,7 @@ class SpecEdgeServer:
                 device_type=device.type,
                 dtype=dtype,
                 matmul=resolve_matmul(config.matmul, device, dtype),
-                attention=resolve_attention(config.attention, device),
+                attention=resolve_attention(config.attention, device, dtype),
                 on_failure=self._on_rank_failure,
             )
         try:

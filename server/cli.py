@@ -49,8 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "rows", "flex"],
-        help="attention: auto (one FlexAttention call per step on CUDA, one call per row on CPU), rows, flex",
+        choices=["auto", "rows", "numba", "flex"],
+        help="attention: auto (one FlexAttention call per step on CUDA; numba on a CPU for float32, else rows), "
+        "rows (one scaled-dot-product call per row), numba (short rows in one compiled call per layer, long rows "
+        "as rows), flex",
     )
     parser.add_argument(
         "--no-cuda-graphs",
@@ -263,7 +265,7 @@ def _run_worker(args: argparse.Namespace, rank: int, world_size: int, local_rank
         device_type=device.type,
         dtype=str(dtype).removeprefix("torch."),
         matmul=resolve_matmul(config.matmul, device, dtype),
-        attention=resolve_attention(config.attention, device),
+        attention=resolve_attention(config.attention, device, dtype),
         store_port=None,
         collective_timeout_s=config.parallel.collective_timeout_s,
         log_level=args.log_level.upper(),

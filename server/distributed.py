@@ -86,7 +86,7 @@ class RankSpec:
     device_type: str  # "cpu" or "cuda"
     dtype: str  # torch dtype name, e.g. "float32"
     matmul: str  # the resolved matrix-product path: "eager", "numba" or "onednn" (server/matmul.py)
-    attention: str  # the resolved attention path, "rows" or "flex" (server/attention.py)
+    attention: str  # the resolved attention path, "rows", "numba" or "flex" (server/attention.py)
     store_port: int | None  # rank 0's TCPStore on 127.0.0.1; None: torchrun's env:// rendezvous
     collective_timeout_s: float
     log_level: str = "INFO"

@@ -71,7 +71,7 @@ def load_target(
     elif kind == "numba":
         plain_for_numba(target.model)
     target.matmul = kind
-    target.model.attention = resolve_attention(attention, device)
+    target.model.attention = resolve_attention(attention, device, dtype)
     return target
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specedge.server.attention import FlexLayout, flex_attention, row_attention
+from specedge.server.attention import CompiledRows, FlexLayout, flex_attention, row_attention
 
 # RoPE variants whose frequencies do not depend on the sequence length; the
 # dynamic ones would make a token's result depend on its batch.
@@ -142,6 +142,7 @@ class StepBatch:
     num_keys: tuple[int, ...]  # [num_rows] keys each row attends: its cache plus its new tokens
     row_masks: tuple[torch.Tensor | None, ...]  # [num_rows] [new, num_keys] bool; None: one token sees all
     flex: FlexLayout | None = None  # the whole step's block mask, when attention takes the flex path
+    compiled: CompiledRows | None = None  # the rows the numba kernel takes, when attention takes the numba path
 
     @property
     def num_rows(self) -> int:
@@ -215,7 +216,16 @@ class Attention(nn.Module):
         if batch.flex is not None:
             out = flex_attention(q, k_cache, v_cache, batch.flex)  # [N, H, D]
         else:
-            out = row_attention(q, k_cache, v_cache, batch.cu_num_tokens, batch.slots, batch.num_keys, batch.row_masks)
+            out = row_attention(
+                q,
+                k_cache,
+                v_cache,
+                batch.cu_num_tokens,
+                batch.slots,
+                batch.num_keys,
+                batch.row_masks,
+                batch.compiled,
+            )
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -279,7 +289,7 @@ class CausalLM(nn.Module):
     ):
         super().__init__()
         self.args = args
-        self.attention = "rows"  # or "flex": how rows attend to their KV slots (server/attention.py)
+        self.attention = "rows"  # or "numba" or "flex": how rows attend to their KV slots (server/attention.py)
         self.partition = partition or Partition.whole(args)
         self.collectives = collectives
         self.model = Backbone(args, self.partition)

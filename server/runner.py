@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from specedge.server import tree
-from specedge.server.attention import flex_layout
+from specedge.server.attention import compiled_rows, flex_layout
 from specedge.server.model import CausalLM, StepBatch
 
 
@@ -174,7 +174,20 @@ class ModelRunner:
                 num_slots=self.kv.num_slots,
                 max_len=self.kv.max_len,
             )
-        else:
+        compiled = None
+        if self.model.attention == "numba":
+            compiled = compiled_rows(
+                rows.cu_num_tokens,
+                [r.slot for r in requests],
+                [r.num_cached + len(r.token_ids) for r in requests],
+                [
+                    None if r.tree_parents is None else tree.ancestor_mask(r.tree_parents, len(r.token_ids))
+                    for r in requests
+                ],
+            )
+            for row in compiled.others:  # rows too long for the kernel take the row loop, with their masks
+                row_masks[row] = self._row_mask(requests[row])
+        elif self.model.attention == "rows":
             row_masks = [None if len(r.token_ids) == 1 else self._row_mask(r) for r in requests]
         return StepBatch(
             token_ids=on_device(rows.token_ids),
@@ -187,6 +200,7 @@ class ModelRunner:
             num_keys=tuple(r.num_cached + len(r.token_ids) for r in requests),
             row_masks=tuple(row_masks),
             flex=flex,
+            compiled=compiled,
         )
 
     def _tree_table(self, requests: Sequence[ForwardRequest], num_tokens: int) -> torch.Tensor | None:

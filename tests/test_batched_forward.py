@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specedge.registry import ResolvedModel
+from specedge.server.attention import NUMBA_MAX_NEW
 from specedge.server.loading import load_target
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 
@@ -32,14 +33,14 @@ def _runner(model) -> ModelRunner:
 
 
 @st.composite
-def session_rounds(draw):
+def session_rounds(draw, max_new=12):
     """A batch of (prefix tokens already cached, the round's request) for distinct slots."""
     num_rows = draw(st.integers(1, NUM_SLOTS))
     slots = draw(st.permutations(range(NUM_SLOTS)))[:num_rows]
     rows = []
     for slot in slots:
         prefix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
-        num_new = draw(st.integers(1, 12))
+        num_new = draw(st.integers(1, max_new))
         new = tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=num_new, max_size=num_new)))
         parents = None
         if num_new > 1 and draw(st.booleans()):
@@ -100,33 +101,83 @@ def test_server_drafting_drafts_each_row_only_its_own_count(model):
     assert max(r.num_cached + len(r.token_ids) for requests in forwards for r in requests if r.slot == 1) == MAX_LEN - 1
 
 
+def _on_path(model, attention: str, rows) -> tuple[list[torch.Tensor], ModelRunner]:
+    """Each round's logits with every prefix cached first, on one attention path; and the runner."""
+    default = model.attention
+    model.attention = attention
+    try:
+        runner = _runner(model)
+        runner.forward([ForwardRequest(r.slot, 0, tuple(prefix)) for prefix, r in rows])
+        return runner.forward([r for _, r in rows]), runner
+    finally:
+        model.attention = default
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=session_rounds())
 def test_flex_attention_gives_every_row_what_the_row_loop_gives(model, rows):
     """CUDA's path (one FlexAttention call, a block mask over every slot) against the CPU's row loop, on the same
     random mixes of prefixes, chains, trees and chunks. On a CPU FlexAttention runs its eager reference, so this
     checks the mask and layout; the compiled kernel's speed is for a GPU to measure."""
-    expected = _runner(model)
-    expected.forward([ForwardRequest(r.slot, 0, tuple(prefix)) for prefix, r in rows])
-    want = expected.forward([r for _, r in rows])
-    model.attention = "flex"
-    try:
-        flex = _runner(model)
-        flex.forward([ForwardRequest(r.slot, 0, tuple(prefix)) for prefix, r in rows])
-        got = flex.forward([r for _, r in rows])
-        kv_written = [(k[:, :MAX_LEN] - k_want).abs().max() for k, k_want in zip(flex.kv.k, expected.kv.k)]
-    finally:
-        model.attention = "rows"
+    want, expected = _on_path(model, "rows", rows)
+    got, flex = _on_path(model, "flex", rows)
     for logits, reference in zip(got, want):
         torch.testing.assert_close(logits, reference, atol=2e-4, rtol=0)
+    kv_written = [(k - k_want).abs().max() for k, k_want in zip(flex.kv.k, expected.kv.k)]
     assert max(kv_written) < 1e-4  # the same keys landed in the same places
 
 
-def test_attention_path_is_chosen_by_device():
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=session_rounds(max_new=NUMBA_MAX_NEW + 8))
+def test_numba_attention_gives_every_row_what_the_row_loop_gives(model, rows):
+    """The CPU default (short rows in one compiled call, longer ones through the row loop in the same step)
+    against the row loop alone, on random mixes of prefixes, chains, trees and chunks on both sides of the
+    kernel's limit."""
+    want, _ = _on_path(model, "rows", rows)
+    got, _ = _on_path(model, "numba", rows)
+    for logits, reference in zip(got, want):
+        torch.testing.assert_close(logits, reference, atol=2e-4, rtol=0)
+
+
+def test_a_tree_node_gets_nothing_from_keys_it_cannot_see():
+    """Keys outside a node's ancestors, and keys after its own, weigh exactly zero, however high they would
+    score and whatever their values."""
+    from specedge.server import tree
+    from specedge.server.attention import compiled_rows, numba_kernel, row_attention
+
+    assert numba_kernel() is not None
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, cached, parents = 6, 2, 16, 9, (0, 0, 1, 2)  # root -> 1 -> 3, root -> 2 -> 4
+    new = len(parents) + 1
+    k_cache = torch.randn(2, 32, kv_heads, dim, generator=generator)
+    v_cache = torch.randn(2, 32, kv_heads, dim, generator=generator)
+    q = torch.randn(new, heads, dim, generator=generator)
+    mask = tree.ancestor_mask(parents, new)
+    layout = compiled_rows((0, new), (1,), (cached + new,), (mask,))
+    before = row_attention(q, k_cache, v_cache, (0, new), (1,), (cached + new,), (None,), layout)
+    hidden = ~mask  # [new, new]: node t does not see new key j
+    for t in range(new):
+        unseen = cached + hidden[t].nonzero()[:, 0]
+        keys, values = k_cache.clone(), v_cache.clone()
+        keys[1, unseen] = 1e3 * q[t, :: heads // kv_heads]  # each KV head's first query head would score ~1e3
+        values[1, unseen] = 1e30
+        values[1, cached + new :] = float("nan")  # past the row's keys: never read
+        after = row_attention(q, keys, values, (0, new), (1,), (cached + new,), (None,), layout)
+        torch.testing.assert_close(after[t], before[t], atol=0, rtol=0)  # one path, one input: bit for bit
+
+
+def test_attention_path_is_chosen_by_device_and_dtype():
     from specedge.server.attention import resolve_attention
 
-    assert resolve_attention("auto", torch.device("cuda", 0)) == "flex"
-    assert resolve_attention("auto", torch.device("cpu")) == "rows"
-    assert resolve_attention("flex", torch.device("cpu")) == "flex"  # allowed, for checking the layout
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_attention("auto", cuda, torch.float32) == "flex"
+    assert resolve_attention("auto", cpu, torch.float32) == "numba"
+    assert resolve_attention("auto", cpu, torch.bfloat16) == "rows"
+    assert resolve_attention("rows", cpu, torch.float32) == "rows"
+    assert resolve_attention("flex", cpu, torch.float32) == "flex"  # allowed, for checking the layout
+    with pytest.raises(ValueError, match="--attention numba cannot run: the numba kernel takes float32, not bfloat16"):
+        resolve_attention("numba", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="--attention numba cannot run: the numba kernel is for CPUs"):
+        resolve_attention("numba", cuda, torch.float32)
     with pytest.raises(ValueError, match="unknown attention path 'paged'"):
-        resolve_attention("paged", torch.device("cpu"))
+        resolve_attention("paged", cpu, torch.float32)

@@ -90,6 +90,12 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         run = results["paths"].get(path, {})
         assert run.get("matmul") == path, f"{path}: the path that ran was {run.get('matmul')}"
         figures |= {f"{path} {name}": run.get("steps", {}).get(name, {}).get("ms") for name in DEFAULT_STEPS}
+        # The compiled attention (the CPU float32 default) and the row loop, both timed on every step.
+        assert run.get("attention") == "numba"
+        figures |= {
+            f"{path} {name} on the row loop": run.get("steps", {}).get(name, {}).get("rows_attention_ms")
+            for name in DEFAULT_STEPS
+        }
         figures |= {
             f"{path} {key}": run.get(key) for key in ("kv_cache_bytes", "peak_rss_bytes", "rss_anon_bytes", "load_s")
         }
@@ -119,8 +125,14 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert stream["gb_s_median"] == max(read["gb_s_median"] for read in stream["readers"].values())
     assert "| memory stream (used) |" in table
     assert "| draws | flat ms | peaked ms |" in table
-    rows = [line for line in table.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))]
-    assert len(rows) == len(DEFAULT_STEPS) and all("| - |" not in row for row in rows), rows
+    assert "## Attention: numba against the row loop" in table
+    assert "| step | eager: numba ms | rows ms | ratio | onednn: numba ms | rows ms | ratio |" in table
+    forwards, attention = table.split("## Forwards")[1].split("## Attention")
+    for section in (forwards, attention.split("\n## ")[0]):
+        rows = [
+            line for line in section.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))
+        ]
+        assert len(rows) == len(DEFAULT_STEPS) and all("| - |" not in row for row in rows), rows
 
 
 def test_one_path_gets_the_only_columns(tiny_target_dir, capsys):
@@ -151,10 +163,13 @@ def test_one_path_gets_the_only_columns(tiny_target_dir, capsys):
     )
     out = capsys.readouterr().out
     assert status == 0
-    [row] = [line for line in out.splitlines() if line.startswith("| 2x3 |")]
+    row, attention_row = [line for line in out.splitlines() if line.startswith("| 2x3 |")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert len(cells) == 5 and cells[1] == "6" and float(cells[2]) > 0 and cells[4].endswith("x")
     assert "| step | tokens | onednn ms | roofline ms | onednn/roofline |" in out
+    cells = [cell.strip() for cell in attention_row.strip("|").split("|")]
+    assert len(cells) == 4 and float(cells[1]) > 0 and float(cells[2]) > 0 and cells[3].endswith("x")
+    assert "| step | onednn: numba ms | rows ms | ratio |" in out
     assert "Skipped: --hf-decode 0." in out and "Matrix kernels" not in out  # --kernel-m with no M skips them
 
 

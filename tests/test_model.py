@@ -11,9 +11,9 @@ from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 ATOL = 1e-4
 
 
-def _runner(model_dir, num_slots=4, max_len=128, matmul="eager"):
+def _runner(model_dir, num_slots=4, max_len=128, matmul="eager", attention="auto"):
     resolved = ResolvedModel("tiny", "hf", model_dir)
-    target = load_target(resolved, device=torch.device("cpu"), dtype=torch.float32, matmul=matmul)
+    target = load_target(resolved, device=torch.device("cpu"), dtype=torch.float32, matmul=matmul, attention=attention)
     assert target.matmul == matmul
     kv = KVCache(target.model, num_slots=num_slots, max_len=max_len, device=torch.device("cpu"), dtype=torch.float32)
     return ModelRunner(target.model, kv)
@@ -32,6 +32,8 @@ FAMILIES = ["tiny_target_dir", "tiny_llama_dir", "tiny_qwen3_dir", "tiny_llama3_
 # Every matrix path (server/matmul.py). numba's kernel takes products of up to 48 rows and oneDNN's GEMM larger
 # ones: the 67-token prefill below runs the latter, the steps after it the former.
 MATMULS = ["eager", "numba", "onednn"]
+# Both CPU attention paths (server/attention.py): numba takes rows of up to 16 new tokens, the row loop the rest.
+ATTENTIONS = ["rows", "numba"]
 
 
 @pytest.mark.parametrize("matmul", MATMULS)
@@ -44,13 +46,14 @@ def test_prefill_logits_match_transformers(request, fixture, matmul):
     torch.testing.assert_close(ours, _hf_logits(model_dir, tokens), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("matmul", MATMULS)
 @pytest.mark.parametrize("fixture", FAMILIES)
-def test_sessions_of_different_lengths_in_one_batch(request, fixture, matmul):
+def test_sessions_of_different_lengths_in_one_batch(request, fixture, matmul, attention):
     """Each row sees only its own slot: batching must not change any row's logits."""
     tiny_target_dir = request.getfixturevalue(fixture)
     a, b = list(range(5, 50)), list(range(100, 108))
-    runner = _runner(tiny_target_dir, matmul=matmul)
+    runner = _runner(tiny_target_dir, matmul=matmul, attention=attention)
     # Prefill both, then one step each in a single mixed batch (a decode + a 4-token chain).
     runner.forward([ForwardRequest(0, 0, tuple(a[:-1]), all_logits=False), ForwardRequest(2, 0, tuple(b[:-4]))])
     step_a, step_b = runner.forward(
@@ -60,12 +63,13 @@ def test_sessions_of_different_lengths_in_one_batch(request, fixture, matmul):
     torch.testing.assert_close(step_b, _hf_logits(tiny_target_dir, b)[-4:], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("fixture", FAMILIES)
-def test_tree_nodes_see_only_their_ancestors(request, fixture):
+def test_tree_nodes_see_only_their_ancestors(request, fixture, attention):
     tiny_target_dir = request.getfixturevalue(fixture)
     prompt = list(range(10, 50))
     # root=29 -> 50 -> 51, root -> 60: node 3 (60) must not see nodes 1-2.
-    runner = _runner(tiny_target_dir)
+    runner = _runner(tiny_target_dir, attention=attention)
     runner.forward([ForwardRequest(0, 0, tuple(prompt[:-1]))])
     [logits] = runner.forward([ForwardRequest(0, len(prompt) - 1, (prompt[-1], 50, 51, 60), tree_parents=(0, 1, 0))])
     path_one = _hf_logits(tiny_target_dir, prompt + [50, 51])
