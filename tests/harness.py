@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
+from specedge.bench.server import die_with_parent
 from specedge.server.app import ServerConfig, SpecEdgeServer
 from specedge.server.runner import Runner
 
@@ -135,7 +136,9 @@ def start_server_process(
     port = port or free_port()
     server = os.path.join(os.path.dirname(sys.executable), "specedge-server")
     command = [*launcher, server, *args, "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent()
+    )
     ready = f"specedge-server ready on 127.0.0.1:{port}"
     lines: list[str] = output if output is not None else []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
@@ -216,7 +219,7 @@ class ApiProcess:
     def __init__(self, *args: str, timeout_s: float = 600):
         port = free_port()
         command = [os.path.join(os.path.dirname(sys.executable), "specedge-edge"), "serve", *args, "--port", str(port)]
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent())
         self.stderr_lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.stderr_lines.extend(iter(self.process.stderr.readline, "")))
         self._reader.start()

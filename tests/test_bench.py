@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -492,3 +497,54 @@ def test_tensor_parallel_bench_compares_tp1_and_tp2_with_the_same_answers(tiny_t
     assert len(rows) == 4 and {row.split("|")[3].strip() for row in rows} == {"1", "2"}
     tp2 = json.loads((tmp_path / "tp" / "tp2" / "results.json").read_text())
     assert tp2["meta"]["config"]["tp"] == 2 and all(r["tokens"] > 0 for r in tp2["records"])
+
+
+# A parent that starts `sleep` as the harness starts a server, prints its pid, then dies by SIGKILL.
+_PARENT = """
+import os, signal, subprocess, sys
+from specedge.bench.server import die_with_parent
+quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # so that run() sees the parent's pipes close
+child = subprocess.Popen(["sleep", "300"], preexec_fn=die_with_parent(), **quiet)
+print(child.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_started_server_dies_with_its_parent_even_when_the_parent_is_killed():
+    """A crashed pytest or benchmark once left its 1.5B test server running (7.8 GB) for 40 minutes."""
+    parent = subprocess.run([sys.executable, "-c", _PARENT], capture_output=True, text=True, timeout=60)
+    assert parent.returncode == -signal.SIGKILL, parent.stderr
+    child = int(parent.stdout)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outlived = _alive(child)
+    if outlived:
+        os.kill(child, signal.SIGKILL)
+    assert not outlived, f"sleep {child} outlived its killed parent"
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, and not a zombie waiting for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_off_the_main_thread_a_server_gets_no_parent_death_signal():
+    """Linux sends it when the forking thread ends: a server started from a worker thread must outlive it."""
+    import threading
+
+    from specedge.bench.server import die_with_parent
+
+    then = print
+    got = []
+    worker = threading.Thread(target=lambda: got.extend([die_with_parent(), die_with_parent(then)]))
+    worker.start()
+    worker.join()
+    assert got == [None, then]
+    assert die_with_parent() is not None  # on the main thread: set
