@@ -132,6 +132,13 @@ def _engine_parser(sub) -> None:
         help="small M at which eager, oneDNN and inductor-frozen products are compared (none: skip)",
     )
     p.add_argument(
+        "--attention-keys",
+        type=int,
+        nargs="*",
+        default=list(EngineBenchConfig.attention_keys),
+        help="cached keys a row at which one layer's numba and row-loop attention are compared (none: skip)",
+    )
+    p.add_argument(
         "--hf-decode", type=int, default=defaults["hf_decode"].default, help="transformers greedy steps timed (0: skip)"
     )
     p.add_argument("--host-rows", type=int, default=defaults["host_rows"].default, help="rows of draws timed")
@@ -302,6 +309,7 @@ def _engine(args: argparse.Namespace) -> int:
         stream_gb=args.stream_gb,
         gemm_m=tuple(args.gemm_m),
         kernel_m=tuple(args.kernel_m),
+        attention_keys=tuple(args.attention_keys),
         hf_decode=args.hf_decode,
         host_rows=args.host_rows,
     )

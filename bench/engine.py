@@ -12,7 +12,8 @@ Measured one after the other in this process (CPU only):
    and inductor's compiled product with frozen weights (the alternative the packed path was chosen over);
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1; where attention is compiled (numba,
-   the CPU float32 default), each forward also on the row loop, the two taken in turn;
+   the CPU float32 default), each forward also on the row loop, the two taken in turn; and one layer's
+   attention alone on both, at --attention-keys cached keys a row;
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
 4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits;
 5. peak RSS after each phase and the KV cache each path reserved.
@@ -112,6 +113,7 @@ class EngineBenchConfig:
     stream_gb: float = 2.0  # size of the tensor summed to measure memory bandwidth
     gemm_m: tuple[int, ...] = (64, 128, 256)  # GEMM rows tried for the peak rate
     kernel_m: tuple[int, ...] = (1, 2, 5, 8, 16, 40, 64)  # rows at which the matrix kernels are compared; () skips
+    attention_keys: tuple[int, ...] = (200, 2000)  # cached keys at which one layer's attention paths are compared
     hf_decode: int = 16  # HF greedy decode steps timed; 0 skips HF
     host_rows: int = 64  # rows of HOST_TOKENS_PER_ROW logits each for the host-time draws
 
@@ -124,8 +126,12 @@ class EngineBenchConfig:
             Step.parse(step)
         if not self.steps:
             raise ValueError("--steps needs at least one step")
-        if min(self.repeats, self.prefix, self.host_rows, *self.gemm_m, *self.kernel_m) < 1 or self.hf_decode < 0:
-            raise ValueError("--repeats, --prefix, --host-rows, --gemm-m and --kernel-m must be >= 1, --hf-decode >= 0")
+        sizes = (self.repeats, self.prefix, self.host_rows, *self.gemm_m, *self.kernel_m, *self.attention_keys)
+        if min(sizes) < 1 or self.hf_decode < 0:
+            raise ValueError(
+                "--repeats, --prefix, --host-rows, --gemm-m, --kernel-m and --attention-keys must be >= 1, "
+                "--hf-decode >= 0"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not 0 < self.stream_gb <= 64:
@@ -463,6 +469,8 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     if sample is None or args is None:
         raise ValueError("no --matmul path to time")
     cost = CostModel.of(args, DTYPES[config.dtype])
+    if config.attention_keys:
+        limits["attention"] = attention_kernels(args, config.attention_keys, DTYPES[config.dtype], config.repeats)
     hf = {"skipped": "random weights exist only in this process"} if resolved.format == "random" else None
     if hf is None and config.hf_decode == 0:
         hf = {"skipped": "--hf-decode 0"}
@@ -490,6 +498,47 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
         "hf": hf,
         "host": host,
     }
+
+
+ATTENTION_STEPS = ("1x1", "8x1", "1x5", "8x5", "16x5")  # rows x new tokens of one layer's attention
+
+
+def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
+    """One layer's attention at the target's head shape, for each step of ATTENTION_STEPS on `keys` cached keys
+    a row (random values): the numba kernel against the row loop's SDPA calls, taken in turn; ms (medians)."""
+    from specedge.server.attention import compiled_rows, numba_unavailable, row_attention
+    from specedge.server.tree import ancestor_mask
+
+    shape = {"heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
+    if reason := numba_unavailable(torch.device("cpu"), dtype):
+        return {**shape, "skipped": reason}
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for cached in keys:
+        for name in ATTENTION_STEPS:
+            step = Step.parse(name)
+            new, num_keys = step.new_tokens, cached + step.new_tokens
+            cache = (step.rows, num_keys, args.num_kv_heads, args.head_dim)
+            k, v = (torch.randn(cache, generator=generator, dtype=dtype) for _ in "kv")
+            q = torch.randn(step.num_tokens, args.num_heads, args.head_dim, generator=generator, dtype=dtype)
+            cu, slots = tuple(range(0, step.num_tokens + 1, new)), tuple(range(step.rows))
+            mask = torch.ones(new, num_keys, dtype=torch.bool)
+            mask[:, cached:] = ancestor_mask(None, new)
+            masks = (None if new == 1 else mask,) * step.rows
+            layout = compiled_rows(cu, slots, (num_keys,) * step.rows, (None,) * step.rows)
+            paths = {
+                "numba": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks, layout),
+                "rows": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks),
+            }
+            times: dict[str, list[float]] = {path: [] for path in paths}
+            for repeat in range(repeats + 1):  # in turn, so drift hits both alike; the first round untimed
+                for path, attend in paths.items():
+                    start = time.perf_counter()
+                    attend()
+                    if repeat:
+                        times[path].append((time.perf_counter() - start) * 1e3)
+            rows.append({"step": name, "cached": cached, **{p: statistics.median(t) for p, t in times.items()}})
+    return {**shape, "rows": rows}
 
 
 def _mlp_shape(resolved: ResolvedModel) -> tuple[int, int]:
@@ -575,6 +624,24 @@ def _kernel_lines(kernels: dict | None, bandwidth: float) -> list[str]:
     lines += (
         [""] + ([f"inductor compile per M: {', '.join(compiles)} s (not in the times)."] if compiles else []) + notes
     )
+    return lines
+
+
+def _attention_kernel_lines(kernels: dict | None) -> list[str]:
+    if kernels is None:
+        return []
+    title = (
+        f"## One layer's attention ({kernels['heads']} query heads, {kernels['kv_heads']} KV heads of "
+        f"{kernels['head_dim']}; random values; the two taken in turn, median ms)"
+    )
+    if "skipped" in kernels:
+        return ["", title, "", f"Skipped: {kernels['skipped']}."]
+    lines = ["", title, "", "| cached keys | step | numba ms | rows ms | numba / rows |", "|---|---|---|---|---|"]
+    for row in kernels["rows"]:
+        lines.append(
+            f"| {row['cached']} | {row['step']} | {row['numba']:.3f} | {row['rows']:.3f} | "
+            f"{_x(row['numba'] / row['rows'])} |"
+        )
     return lines
 
 
@@ -675,6 +742,7 @@ def engine_markdown(results: dict) -> str:
             + (f" | {_x(ms['eager'] / fastest)} |" if fastest else " |")
         )
     lines += _attention_lines(results["roofline"], paths, timed)
+    lines += _attention_kernel_lines(limits.get("attention"))
     hf, host = results["hf"], results["host"]
     lines += ["", "## transformers' own greedy decoding, same weights", ""]
     if "skipped" in hf:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specedge.bench import cli
-from specedge.bench.engine import DEFAULT_STEPS, PATHS, CostModel, Step
+from specedge.bench.engine import ATTENTION_STEPS, DEFAULT_STEPS, PATHS, CostModel, Step
 from specedge.server.model import ModelArgs
 
 # Qwen2.5-Coder-1.5B's shape: 1.54 B matrix-weight parameters, the LM head tied to the embedding.
@@ -60,6 +60,8 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
             "8",
             "--kernel-m",
             "3",
+            "--attention-keys",
+            "8",
             "--hf-decode",
             "2",
             "--host-rows",
@@ -126,6 +128,11 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert "| memory stream (used) |" in table
     assert "| draws | flat ms | peaked ms |" in table
     assert "## Attention: numba against the row loop" in table
+    layer = results["limits"]["attention"]
+    assert [(row["cached"], row["step"]) for row in layer["rows"]] == [(8, name) for name in ATTENTION_STEPS]
+    assert all(row["numba"] > 0 and row["rows"] > 0 for row in layer["rows"]), layer
+    assert "| cached keys | step | numba ms | rows ms | numba / rows |" in table
+    assert "| 8 | 8x5 |" in table
     assert "| step | eager: numba ms | rows ms | ratio | onednn: numba ms | rows ms | ratio |" in table
     forwards, attention = table.split("## Forwards")[1].split("## Attention")
     for section in (forwards, attention.split("\n## ")[0]):
@@ -154,6 +161,7 @@ def test_one_path_gets_the_only_columns(tiny_target_dir, capsys):
             "--gemm-m",
             "4",
             "--kernel-m",
+            "--attention-keys",
             "--hf-decode",
             "0",
             "--host-rows",
@@ -171,6 +179,7 @@ def test_one_path_gets_the_only_columns(tiny_target_dir, capsys):
     assert len(cells) == 4 and float(cells[1]) > 0 and float(cells[2]) > 0 and cells[3].endswith("x")
     assert "| step | onednn: numba ms | rows ms | ratio |" in out
     assert "Skipped: --hf-decode 0." in out and "Matrix kernels" not in out  # --kernel-m with no M skips them
+    assert "One layer's attention" not in out  # nor --attention-keys with no count
 
 
 def test_bad_engine_options_end_in_one_line(capsys, tmp_path):
