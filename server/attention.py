@@ -4,11 +4,12 @@
   as a view. On a CPU a call costs tens of microseconds, and the flash kernel reads
   the strided view without a copy.
 - `numba` (CPU, float32): every row of up to NUMBA_MAX_NEW new tokens (decode
-  tokens, verify chains and trees) attends in one compiled call per layer, one
-  task per (row, KV head), reading its slot in place (server/_attention_numba.py).
-  Longer rows (prefill chunks) take `rows`' scaled-dot-product call, whose flash
-  kernel reuses each key over many queries. On the 2-core EPYC of bench/results,
-  eight one-token rows over 200 cached keys took 0.21 ms a layer, against 0.75 ms
+  tokens, verify chains and trees) and NUMBA_MAX_SCORES scores attends in one
+  compiled call per layer, one task per (row, KV head), reading its slot in place
+  (server/_attention_numba.py). Longer rows (prefill chunks, verify rounds deep
+  into a long context) take `rows`' scaled-dot-product call, whose flash kernel
+  reuses each key over many queries. On the 2-core EPYC of bench/results,
+  eight one-token rows over 200 cached keys took 0.33 ms a layer, against 1.30 ms
   of calls (plus the Python around each) on `rows`.
 - `flex` (CUDA): one FlexAttention call for the whole step. The KV cache is seen as
   one long sequence of num_slots * max_len keys (a view, no copy), and a block mask
@@ -42,9 +43,12 @@ from torch.nn import functional as F
 log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("auto", "rows", "numba", "flex")
-# Rows of up to this many new tokens take the numba kernel; longer ones the flash kernel, which reuses each key
-# over many queries. On the 2-core EPYC the two cost the same near 16 tokens over 2,000 cached keys.
+# A row takes the numba kernel when it has at most NUMBA_MAX_NEW new tokens and at most NUMBA_MAX_SCORES
+# (new tokens x keys); others take the flash kernel, which reuses each key over many queries. On the 2-core
+# EPYC (`specedge-bench engine`'s attention table) the kernel costs 0.26-0.5x the SDPA calls at 200 keys, about
+# 0.8x at 2,000, and at 4,000 keys it is 0.8x for one token a row but up to 1.08x for five.
 NUMBA_MAX_NEW = 16
+NUMBA_MAX_SCORES = 16 * 1024
 
 
 def resolve_attention(kind: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -109,7 +113,12 @@ def compiled_rows(
     tree_masks: Sequence[torch.Tensor | None],  # per row: its new tokens' [new, new] ancestor mask; None: a chain
 ) -> CompiledRows:
     rows = range(len(slots))
-    short = [row for row in rows if cu_num_tokens[row + 1] - cu_num_tokens[row] <= NUMBA_MAX_NEW]
+    short = [
+        row
+        for row in rows
+        if (new := cu_num_tokens[row + 1] - cu_num_tokens[row]) <= NUMBA_MAX_NEW
+        and new * num_keys[row] <= NUMBA_MAX_SCORES
+    ]
     num_new = np.array([cu_num_tokens[row + 1] - cu_num_tokens[row] for row in short], np.int64)
     offsets, masks, used = np.full(len(short), -1, np.int64), [], 0
     for i, row in enumerate(short):

@@ -166,6 +166,22 @@ def test_a_tree_node_gets_nothing_from_keys_it_cannot_see():
         torch.testing.assert_close(after[t], before[t], atol=0, rtol=0)  # one path, one input: bit for bit
 
 
+def test_the_kernel_takes_short_rows_and_leaves_long_ones_to_the_row_loop():
+    """Up to 16 new tokens and 16k scores a row: a prefill chunk, or a verify round deep in a long context,
+    goes to the flash kernel, which is faster there."""
+    from specedge.server.attention import NUMBA_MAX_SCORES, compiled_rows
+
+    lengths = [1, NUMBA_MAX_NEW, NUMBA_MAX_NEW + 1, 1, 5, 5]
+    keys = [10, 40, 40, NUMBA_MAX_SCORES, NUMBA_MAX_SCORES // 5, NUMBA_MAX_SCORES // 5 + 1]
+    cu = [0]
+    for length in lengths:
+        cu.append(cu[-1] + length)
+    layout = compiled_rows(tuple(cu), tuple(range(6)), tuple(keys), (None,) * 6)
+    assert layout.others == (2, 5)
+    assert layout.starts.tolist() == [cu[row] for row in (0, 1, 3, 4)]
+    assert layout.num_cached.tolist() == [9, 40 - NUMBA_MAX_NEW, NUMBA_MAX_SCORES - 1, NUMBA_MAX_SCORES // 5 - 5]
+
+
 def test_attention_path_is_chosen_by_device_and_dtype():
     from specedge.server.attention import resolve_attention
 
