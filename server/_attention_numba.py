@@ -20,15 +20,18 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from specedge.server._matmul_numba import dot_4x1, dot_4x2
 from specedge.server._race_numba import set_threads  # noqa: F401 - the one thread setting for every kernel
 
 # Dot products and sums may be reassociated (vectorized); infinities and NaNs keep their IEEE meaning.
 _FAST = {"reassoc", "contract", "nsz"}
 NO_TREE = -1  # tree_offsets' value for a chain row
+_ZERO = np.float32(0.0)
 
 
-@njit(parallel=True, fastmath=_FAST)
+# cache=True: numba keeps the compiled kernel on disk (it takes ~8 s to compile, once per process otherwise). Its
+# cache watches this file only, so everything it calls is defined here; dot_4x2 and dot_4x1 serve the matrix
+# kernel too (server/_matmul_numba.py, compiled afresh in each process).
+@njit(parallel=True, fastmath=_FAST, cache=True)
 def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, out):
     """out[starts[r] + t, h] = softmax(q . keys / sqrt(D)) . values over the keys row r's token t sees.
 
@@ -169,3 +172,37 @@ def warm_up() -> None:
     expected = np.stack([values[0, :3, 0].mean(0), values[0, :4, 0].mean(0)])[:, None].repeat(2, 1)
     if not np.allclose(out, expected):
         raise RuntimeError(f"the compiled attention is wrong: {out}")
+
+
+@njit(inline="always", fastmath=True)
+def dot_4x2(x, m0, m1, w, o, step, out, column):
+    """Rows m0 and m1 of x [M, K] against rows o, o + step, o + 2 step, o + 3 step of w [N, K], into
+    out[m0 and m1, column:column + 4]: eight dot products, kept in registers (numba keeps scalars there,
+    not arrays), each w row read once for both."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _ZERO
+    for i in range(x.shape[1]):
+        u, v = x[m0, i], x[m1, i]
+        p0, p1, p2, p3 = w[o, i], w[o + step, i], w[o + 2 * step, i], w[o + 3 * step, i]
+        a0 += u * p0
+        a1 += u * p1
+        a2 += u * p2
+        a3 += u * p3
+        b0 += v * p0
+        b1 += v * p1
+        b2 += v * p2
+        b3 += v * p3
+    out[m0, column], out[m0, column + 1], out[m0, column + 2], out[m0, column + 3] = a0, a1, a2, a3
+    out[m1, column], out[m1, column + 1], out[m1, column + 2], out[m1, column + 3] = b0, b1, b2, b3
+
+
+@njit(inline="always", fastmath=True)
+def dot_4x1(x, m, w, o, step, out, column):
+    """Row m of x against four rows of w, into out[m, column:column + 4], as dot_4x2."""
+    a0 = a1 = a2 = a3 = _ZERO
+    for i in range(x.shape[1]):
+        u = x[m, i]
+        a0 += u * w[o, i]
+        a1 += u * w[o + step, i]
+        a2 += u * w[o + 2 * step, i]
+        a3 += u * w[o + 3 * step, i]
+    out[m, column], out[m, column + 1], out[m, column + 2], out[m, column + 3] = a0, a1, a2, a3

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from specedge.server._attention_numba import dot_4x1, dot_4x2
 from specedge.server._race_numba import set_threads  # noqa: F401 - the one thread setting for both kernels
 
 _ZERO = np.float32(0.0)
@@ -48,37 +49,3 @@ def matmul(x, w, y):
                     for i in range(k):
                         acc += x[m, i] * w[j, i]
                     y[m, j] = acc
-
-
-@njit(inline="always", fastmath=True)
-def dot_4x2(x, m0, m1, w, o, step, out, column):
-    """Rows m0 and m1 of x [M, K] against rows o, o + step, o + 2 step, o + 3 step of w [N, K], into
-    out[m0 and m1, column:column + 4]: eight dot products, kept in registers (numba keeps scalars there,
-    not arrays), each w row read once for both."""
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _ZERO
-    for i in range(x.shape[1]):
-        u, v = x[m0, i], x[m1, i]
-        p0, p1, p2, p3 = w[o, i], w[o + step, i], w[o + 2 * step, i], w[o + 3 * step, i]
-        a0 += u * p0
-        a1 += u * p1
-        a2 += u * p2
-        a3 += u * p3
-        b0 += v * p0
-        b1 += v * p1
-        b2 += v * p2
-        b3 += v * p3
-    out[m0, column], out[m0, column + 1], out[m0, column + 2], out[m0, column + 3] = a0, a1, a2, a3
-    out[m1, column], out[m1, column + 1], out[m1, column + 2], out[m1, column + 3] = b0, b1, b2, b3
-
-
-@njit(inline="always", fastmath=True)
-def dot_4x1(x, m, w, o, step, out, column):
-    """Row m of x against four rows of w, into out[m, column:column + 4], as dot_4x2."""
-    a0 = a1 = a2 = a3 = _ZERO
-    for i in range(x.shape[1]):
-        u = x[m, i]
-        a0 += u * w[o, i]
-        a1 += u * w[o + step, i]
-        a2 += u * w[o + 2 * step, i]
-        a3 += u * w[o + 3 * step, i]
-    out[m, column], out[m, column + 1], out[m, column + 2], out[m, column + 3] = a0, a1, a2, a3

@@ -40,6 +40,7 @@ import torch
 import torch.multiprocessing
 from torch import distributed as dist
 
+from specedge.server.attention import numba_kernel as attention_kernel
 from specedge.server.matmul import pack_for_onednn, plain_for_numba
 from specedge.server.parallel import GroupCollectives, load_shard
 from specedge.server.runner import KVCache, ModelRunner
@@ -302,6 +303,8 @@ def worker_main(spec: RankSpec) -> None:
         elif spec.matmul == "numba":
             plain_for_numba(model)
         model.attention = spec.attention
+        if spec.attention == "numba" and attention_kernel() is None:  # compiled (or loaded) now, not in a step
+            raise RuntimeError("rank 0 chose numba attention, but its kernel does not compile on this rank")
 
         def make_runner(num_slots: int, max_len: int) -> ModelRunner:
             kv = KVCache(model, num_slots=num_slots, max_len=max_len, device=spec.device, dtype=dtype)
