@@ -39,7 +39,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.nn import functional as F
@@ -49,7 +49,7 @@ from specedge.registry import ResolvedModel, resolve
 from specedge.server.draws import RowDraw, draw_rows
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import PackedLinear, PlainLinear, numba_unavailable, onednn_unavailable
-from specedge.server.model import CausalLM, ModelArgs
+from specedge.server.model import ModelArgs
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.types import SamplingParams, SparseDist
 
@@ -191,21 +191,15 @@ def _times_ms(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
-def _alternating_ms(
-    forward: Callable[[], object], model: CausalLM, attentions: tuple[str, str], repeats: int
-) -> tuple[list[float], list[float]]:
-    """`repeats` timings of forward on each of two attention paths, taken in turn (after one untimed call each)."""
-    times: tuple[list[float], list[float]] = ([], [])
-    try:
-        for repeat in range(repeats + 1):
-            for attention, into in zip(attentions, times):
-                model.attention = attention
-                start = time.perf_counter()
-                forward()
-                if repeat:
-                    into.append((time.perf_counter() - start) * 1e3)
-    finally:
-        model.attention = attentions[0]
+def _in_turn_ms(calls: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """`repeats` timings of each call, the calls taken in turn so that drift hits all alike (one untimed round)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for repeat in range(repeats + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if repeat:
+                times[name].append((time.perf_counter() - start) * 1e3)
     return times
 
 
@@ -346,8 +340,20 @@ def time_path(
         if attention == "rows":
             times = _times_ms(forward, config.repeats)
             results[step.name] = {"ms": statistics.median(times), "times_ms": times}
-        else:  # the compiled attention, and the row loop as its baseline, alternating so drift hits both alike
-            times, row_times = _alternating_ms(forward, model, (attention, "rows"), config.repeats)
+        else:  # the compiled attention, and the row loop as its baseline, in turn
+
+            def on(kind: str, forward: Callable[[], object] = forward) -> Callable[[], object]:
+                def call() -> object:
+                    model.attention = kind  # a field set: nothing worth timing
+                    return forward()
+
+                return call
+
+            try:
+                timed = _in_turn_ms({attention: on(attention), "rows": on("rows")}, config.repeats)
+            finally:
+                model.attention = attention
+            times, row_times = timed[attention], timed["rows"]
             results[step.name] = {
                 "ms": statistics.median(times),
                 "times_ms": times,
@@ -530,13 +536,7 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
                 "numba": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks, layout),
                 "rows": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks),
             }
-            times: dict[str, list[float]] = {path: [] for path in paths}
-            for repeat in range(repeats + 1):  # in turn, so drift hits both alike; the first round untimed
-                for path, attend in paths.items():
-                    start = time.perf_counter()
-                    attend()
-                    if repeat:
-                        times[path].append((time.perf_counter() - start) * 1e3)
+            times = _in_turn_ms(paths, repeats)
             rows.append({"step": name, "cached": cached, **{p: statistics.median(t) for p, t in times.items()}})
     return {**shape, "rows": rows}
 
