@@ -95,6 +95,13 @@ class RoundOutcome:
 RowOutcome = RoundOutcome | errors.ServiceError | None
 
 
+def finish(device: torch.device) -> None:
+    """Wait for the device to finish what was queued on it. A CUDA forward returns as soon as its kernels are
+    launched; what they cost, and any error they raise, show only here."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     outcomes: list[RowOutcome]  # one per row, in the plan's order
@@ -168,10 +175,13 @@ class Stepper:
         kernel ready."""
         sizes = [n for n in CALIBRATION_TOKENS if n < max_tokens]
         try:
-            self.runner.forward_packed([ForwardRequest(0, 0, (0,))])  # warm-up, not timed
+            for num_tokens in sizes:  # warm-up, not timed: on CUDA a shape's first forward compiles its kernels
+                self.runner.forward_packed([ForwardRequest(0, 0, (0,) * num_tokens)])
+            finish(self.runner.device)
             for num_tokens in sizes * 2:
                 started = time.monotonic()
                 self.runner.forward_packed([ForwardRequest(0, 0, (0,) * num_tokens)])
+                finish(self.runner.device)
                 self.cost_model.observe(batch_tokens=num_tokens, batch_rows=1, seconds=time.monotonic() - started)
             self.stats.set_step_cost_points(self.cost_model.points())
         except Exception:  # the engine still serves, from the default budget until steps are measured
@@ -222,7 +232,9 @@ class Stepper:
         if not requests:
             return None, []
         try:
-            return self.runner.forward_packed(requests), [None] * len(requests)
+            logits = self.runner.forward_packed(requests)
+            finish(self.runner.device)  # the time this step is billed, and any error its kernels raise, are its own
+            return logits, [None] * len(requests)
         except Exception as exc:
             if len(requests) == 1:
                 return None, [exc]

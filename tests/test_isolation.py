@@ -62,7 +62,7 @@ class FaultyRunner:
     """
 
     def __init__(self, runner, shape_bug: int, nan: int):
-        self.runner, self.kv, self.move_kv = runner, runner.kv, runner.move_kv
+        self.runner, self.kv, self.move_kv, self.device = runner, runner.kv, runner.move_kv, runner.device
         self.forward_packed = lambda requests: torch.cat(self.forward(requests))
         self.shape_bug, self.nan = shape_bug, nan
         self.batches: list[list[tuple[int, ...]]] = []  # token ids of each row of every forward attempted
