@@ -174,6 +174,9 @@ def flex_layout(
     )
 
 
+FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys
+
+
 def flex_block_mask(
     *,
     kv_slots: torch.Tensor,  # [N]
@@ -187,9 +190,15 @@ def flex_block_mask(
     """Query i sees key (slot, pos) when slot is its own and pos is cached, or pos is one of its row's new
     tokens that its chain (pos <= its own) or tree (tree_table) lets it see.
 
+    Which key blocks a query block visits comes from the layout, not from evaluating the mask: every key a
+    query sees lies in its own slot at or before its own position, one range of blocks per query. So the
+    mask costs [N, key blocks] comparisons, where create_block_mask evaluates [N, num_slots * max_len] scores
+    and compiles anew for each query-block count. Every visited block is partial: the mask below decides
+    each score in it.
+
     The mask reads the tensors passed here whenever a kernel evaluates it, so a caller that refills them in
     place (server/cuda_graphs.py) gets a mask for the new step from the same closure."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     width = tree_table.shape[1]
 
@@ -201,10 +210,22 @@ def flex_block_mask(
         new_ok = torch.where(is_tree[q_idx], in_tree, pos <= kv_positions[q_idx])
         return (slot == kv_slots[q_idx]) & ((pos < base) | ((rel >= 0) & new_ok))
 
-    device = kv_slots.device
-    num_tokens = kv_slots.shape[0]
-    return create_block_mask(
-        mask_mod, None, None, num_tokens, num_slots * max_len, device=device, _compile=device.type == "cuda"
+    num_tokens, num_keys = kv_slots.shape[0], num_slots * max_len
+    num_q_blocks, num_kv_blocks = -(-num_tokens // FLEX_BLOCK), -(-num_keys // FLEX_BLOCK)
+    first = kv_slots * max_len  # [N] the query's first key, and its last: its own position
+    last = first + kv_positions
+    blocks = torch.arange(num_kv_blocks, device=kv_slots.device)
+    visits = (blocks >= (first // FLEX_BLOCK)[:, None]) & (blocks <= (last // FLEX_BLOCK)[:, None])  # [N, KB]
+    padding = num_q_blocks * FLEX_BLOCK - num_tokens
+    visits = torch.nn.functional.pad(visits, (0, 0, 0, padding)).view(num_q_blocks, FLEX_BLOCK, -1).any(dim=1)
+    kv_num_blocks = visits.sum(dim=-1, dtype=torch.int32)  # [QB]
+    kv_indices = torch.argsort(~visits, dim=-1, stable=True).to(torch.int32)  # [QB, KB]: visited blocks first
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks[None, None],
+        kv_indices[None, None],
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(num_tokens, num_keys),
     )
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from specedge.registry import ResolvedModel
-from specedge.server.attention import NUMBA_MAX_NEW
+from specedge.server.attention import FLEX_BLOCK, NUMBA_MAX_NEW
 from specedge.server.loading import load_target
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 
@@ -33,13 +33,13 @@ def _runner(model) -> ModelRunner:
 
 
 @st.composite
-def session_rounds(draw, max_new=12):
+def session_rounds(draw, max_new=12, max_prefix=40):
     """A batch of (prefix tokens already cached, the round's request) for distinct slots."""
     num_rows = draw(st.integers(1, NUM_SLOTS))
     slots = draw(st.permutations(range(NUM_SLOTS)))[:num_rows]
     rows = []
     for slot in slots:
-        prefix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
+        prefix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_prefix))
         num_new = draw(st.integers(1, max_new))
         new = tuple(draw(st.lists(st.integers(0, VOCAB - 1), min_size=num_new, max_size=num_new)))
         parents = None
@@ -125,6 +125,49 @@ def test_flex_attention_gives_every_row_what_the_row_loop_gives(model, rows):
         torch.testing.assert_close(logits, reference, atol=2e-4, rtol=0)
     kv_written = [(k - k_want).abs().max() for k, k_want in zip(flex.kv.k, expected.kv.k)]
     assert max(kv_written) < 1e-4  # the same keys landed in the same places
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=session_rounds(max_new=16, max_prefix=MAX_LEN - 16))
+@example(rows=[((1,) * 80, ForwardRequest(1, 80, (5, 6, 7, 8)))])  # slot 1's keys 96..179 span blocks 0 and 1
+@example(rows=[((1,) * 30, ForwardRequest(1, 30, (5,) * 12, tree_parents=(0,) * 11))])  # a tree over blocks 0 and 1
+def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows):
+    """The block mask is built from the layout, not by evaluating the mask. A compiled kernel never looks at a
+    block the mask leaves out (a CPU's reference does, so the test above cannot see this): every key a query
+    sees must lie in a visited block. For chains the visited blocks are exactly create_block_mask's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    default = model.attention
+    model.attention = "flex"
+    try:
+        flex = _runner(model)._layout([r for _, r in rows]).flex
+    finally:
+        model.attention = default
+    assert flex is not None
+    mask = flex.block_mask
+    num_tokens, num_keys = mask.seq_lengths
+    sees = mask.mask_mod(0, 0, torch.arange(num_tokens)[:, None], torch.arange(num_keys)[None])  # [N, keys]
+    block = FLEX_BLOCK
+    pairs = sees.nonzero()
+    needed = {(int(q) // block, int(k) // block) for q, k in pairs}
+    counts, indices = mask.kv_num_blocks[0, 0], mask.kv_indices[0, 0]
+    visited = {(qb, int(kb)) for qb in range(len(counts)) for kb in indices[qb, : counts[qb]]}
+    assert needed <= visited
+    if all(r.tree_parents is None for _, r in rows):
+        reference = create_block_mask(mask.mask_mod, None, None, num_tokens, num_keys, device="cpu")
+        listed = {
+            (qb, int(kb))
+            for qb in range(len(counts))
+            for kb in reference.kv_indices[0, 0, qb, : reference.kv_num_blocks[0, 0, qb]]
+        }
+        full = reference.full_kv_num_blocks
+        if full is not None:
+            listed |= {
+                (qb, int(kb))
+                for qb in range(len(counts))
+                for kb in reference.full_kv_indices[0, 0, qb, : full[0, 0, qb]]
+            }
+        assert visited == listed
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
