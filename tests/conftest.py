@@ -76,6 +76,24 @@ def tiny_foreign_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-foreign"), seed=3, tokenizer_vocab_size=320, vocab_size=320)
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_draft_dir):
+    """The tiny pair's tokenizer (a module may define its own)."""
+    from specedge.edge_client.tokenizer import HFTokenizer
+
+    return HFTokenizer(tiny_draft_dir)
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_draft_dir):
+    """The tiny draft model, drafting in this process on the CPU."""
+    from specedge.edge_client.drafting.torch_drafter import TorchDrafter
+
+    drafter = TorchDrafter(tiny_draft_dir)
+    yield drafter
+    drafter.close()
+
+
 @pytest.fixture(scope="session")
 def reference_model(tiny_target_dir):
     """The tiny target through transformers itself: the oracle's model (see reference.py)."""

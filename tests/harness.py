@@ -58,6 +58,20 @@ class ServerThread:
         self._thread.join(timeout=30)
 
 
+def generate(server, tokenizer, prompt, drafter, **policy):
+    """One answer through a real EdgeClient: speculative with `drafter`, server-only with None; `policy`
+    is SpeculationPolicy's fields."""
+    from specedge.edge_client import generation
+    from specedge.edge_client.client import EdgeClient
+    from specedge.edge_client.policy import SpeculationPolicy
+
+    async def run():
+        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
+            return await generation.generate(client, prompt, drafter, policy=SpeculationPolicy(**policy))
+
+    return asyncio.run(run())
+
+
 def tiny_server(
     model_dir, *, max_context: int = 256, draft_model=None, metrics_port: int | None = None, **engine_options
 ) -> ServerThread:

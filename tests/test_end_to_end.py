@@ -8,8 +8,8 @@ import grpc
 import pytest
 import torch
 
-from harness import ServerThread
-from reference import greedy_decode
+from harness import ServerThread, generate
+from reference import greedy_decode, marginal_p_value, second_token_marginal
 from specedge import wire
 from specedge.edge_client import generation
 from specedge.edge_client.client import EdgeClient, EdgeError
@@ -32,26 +32,6 @@ PROMPTS = [
 
 
 pytestmark = pytest.mark.server_options(max_sessions=6, max_draft_tokens=16)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_draft_dir):
-    return HFTokenizer(tiny_draft_dir)
-
-
-@pytest.fixture(scope="module")
-def drafter(tiny_draft_dir):
-    drafter = TorchDrafter(tiny_draft_dir)
-    yield drafter
-    drafter.close()
-
-
-def generate(server, tokenizer, prompt, drafter, **config):
-    async def run():
-        async with EdgeClient(server.address, tokenizer.fingerprint) as client:
-            return await generation.generate(client, prompt, drafter, policy=SpeculationPolicy(**config))
-
-    return asyncio.run(run())
 
 
 def test_flex_attention_server_is_lossless(tiny_target_dir, tokenizer, drafter, reference_model):
@@ -195,21 +175,11 @@ def test_sampled_speculative_output_follows_the_target_distribution(
     import random
     import secrets
 
-    import torch
-
     monkeypatch.setattr(secrets, "randbits", random.Random(0).getrandbits)
-
-    from specedge.server.sampling import target_probs
 
     prompt = tokenizer.apply_chat_template(PROMPTS[2])
     sampling = SamplingParams(temperature=1.0, top_k=4)
-    with torch.inference_mode():
-        first = target_probs(reference_model(torch.tensor([prompt])).logits[0, -1:], sampling)[0]
-        marginal = torch.zeros_like(first, dtype=torch.float64)
-        for t1 in first.nonzero().flatten().tolist():
-            after = target_probs(reference_model(torch.tensor([prompt + [t1]])).logits[0, -1:], sampling)[0]
-            marginal += float(first[t1]) * after.double()
-
+    marginal = second_token_marginal(reference_model, prompt, sampling)
     num_runs = 400
 
     async def run():
@@ -224,14 +194,4 @@ def test_sampled_speculative_output_follows_the_target_distribution(
     seconds = [r.token_ids[1] for r in results if len(r.token_ids) == 2]
     assert len(seconds) == num_runs  # the first token is never EOS here
     assert sum(r.stats.accepted_tokens for r in results) > 0  # some 2nd tokens came from accepted drafts
-    counts = torch.bincount(torch.tensor(seconds), minlength=len(marginal)).double()
-    expected = marginal * num_runs
-    big = expected >= 5  # merge rare tokens into one bin so the chi-square approximation holds
-    observed_bins = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
-    expected_bins = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
-    assert counts[marginal == 0].sum() == 0  # never a token the target could not produce
-    keep = expected_bins > 0
-    chi2 = float(((observed_bins[keep] - expected_bins[keep]) ** 2 / expected_bins[keep]).sum())
-    dof = int(keep.sum()) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
-    assert p_value > 1e-3, (chi2, dof, observed_bins.tolist(), expected_bins.tolist())
+    assert marginal_p_value(seconds, marginal) > 1e-3
