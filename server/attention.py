@@ -193,8 +193,9 @@ def flex_block_mask(
     Which key blocks a query block visits comes from the layout, not from evaluating the mask: every key a
     query sees lies in its own slot at or before its own position, one range of blocks per query. So the
     mask costs [N, key blocks] comparisons, where create_block_mask evaluates [N, num_slots * max_len] scores
-    and compiles anew for each query-block count. Every visited block is partial: the mask below decides
-    each score in it.
+    and compiles anew for each query-block count. A block that every query of its query block sees whole (a
+    chain's keys up to its own position, a tree's cached keys) is full: the kernel skips the mask there. The
+    others it visits are partial: the mask below decides each score in them.
 
     The mask reads the tensors passed here whenever a kernel evaluates it, so a caller that refills them in
     place (server/cuda_graphs.py) gets a mask for the new step from the same closure."""
@@ -214,15 +215,26 @@ def flex_block_mask(
     num_q_blocks, num_kv_blocks = -(-num_tokens // FLEX_BLOCK), -(-num_keys // FLEX_BLOCK)
     first = kv_slots * max_len  # [N] the query's first key, and its last: its own position
     last = first + kv_positions
-    blocks = torch.arange(num_kv_blocks, device=kv_slots.device)
-    visits = (blocks >= (first // FLEX_BLOCK)[:, None]) & (blocks <= (last // FLEX_BLOCK)[:, None])  # [N, KB]
+    whole_to = torch.where(is_tree, first + row_bases - 1, last)  # [N] it sees every key from first to here
+    starts = torch.arange(num_kv_blocks, device=kv_slots.device) * FLEX_BLOCK  # [KB] each block's first key
+    # Rows past the last query visit nothing, and keep their block from being full, as create_block_mask's do.
     padding = num_q_blocks * FLEX_BLOCK - num_tokens
-    visits = torch.nn.functional.pad(visits, (0, 0, 0, padding)).view(num_q_blocks, FLEX_BLOCK, -1).any(dim=1)
-    kv_num_blocks = visits.sum(dim=-1, dtype=torch.int32)  # [QB]
-    kv_indices = torch.argsort(~visits, dim=-1, stable=True).to(torch.int32)  # [QB, KB]: visited blocks first
+
+    def by_query_block(per_query: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [QB, FLEX_BLOCK, KB]
+        return torch.nn.functional.pad(per_query, (0, 0, 0, padding)).view(num_q_blocks, FLEX_BLOCK, num_kv_blocks)
+
+    visits = by_query_block((starts + FLEX_BLOCK > first[:, None]) & (starts <= last[:, None])).any(dim=1)
+    full = by_query_block((starts >= first[:, None]) & (starts + FLEX_BLOCK - 1 <= whole_to[:, None])).all(dim=1)
+    partial = visits & ~full
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[QB, KB] bool -> each query block's count of listed key blocks, and their indices first."""
+        counts = blocks.sum(dim=-1, dtype=torch.int32)[None, None]
+        return counts, torch.argsort(~blocks, dim=-1, stable=True).to(torch.int32)[None, None]
+
     return BlockMask.from_kv_blocks(
-        kv_num_blocks[None, None],
-        kv_indices[None, None],
+        *ordered(partial),
+        *ordered(full),
         BLOCK_SIZE=FLEX_BLOCK,
         mask_mod=mask_mod,
         seq_lengths=(num_tokens, num_keys),

@@ -19,6 +19,7 @@ from specedge.server.loading import load_target
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 
 NUM_SLOTS, MAX_LEN, VOCAB = 6, 96, 384
+MASK_SLOTS = 3  # and slots of 384 keys (whole key blocks: where a block can be full) or 320 (blocks straddle slots)
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,10 @@ def _runner(model) -> ModelRunner:
 
 
 @st.composite
-def session_rounds(draw, max_new=12, max_prefix=40):
+def session_rounds(draw, max_new=12, max_prefix=40, num_slots=NUM_SLOTS):
     """A batch of (prefix tokens already cached, the round's request) for distinct slots."""
-    num_rows = draw(st.integers(1, NUM_SLOTS))
-    slots = draw(st.permutations(range(NUM_SLOTS)))[:num_rows]
+    num_rows = draw(st.integers(1, num_slots))
+    slots = draw(st.permutations(range(num_slots)))[:num_rows]
     rows = []
     for slot in slots:
         prefix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=max_prefix))
@@ -128,19 +129,26 @@ def test_flex_attention_gives_every_row_what_the_row_loop_gives(model, rows):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=session_rounds(max_new=16, max_prefix=MAX_LEN - 16))
-@example(rows=[((1,) * 80, ForwardRequest(1, 80, (5, 6, 7, 8)))])  # slot 1's keys 96..179 span blocks 0 and 1
-@example(rows=[((1,) * 30, ForwardRequest(1, 30, (5,) * 12, tree_parents=(0,) * 11))])  # a tree over blocks 0 and 1
-def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows):
+@given(rows=session_rounds(max_new=16, max_prefix=300, num_slots=MASK_SLOTS))
+@example(rows=[((1,) * 200, ForwardRequest(1, 200, (5, 6, 7, 8)))])  # keys 384..583: block 3 full, 4 partial
+@example(rows=[((1,) * 30, ForwardRequest(1, 30, (5,) * 12, tree_parents=(0,) * 11))])  # a tree
+@example(rows=[((1,), ForwardRequest(1, 1, tuple(range(300))))])  # a prefill chunk: 3 query blocks, in slot 1
+@example(rows=[((1,) * 150, ForwardRequest(2, 150, (5,) * 9, tree_parents=(0, 1, 1, 0, 4, 5, 5, 2)))])
+# A 256-node tree: node 1 a leaf beside node 2, whose chain fills query block 1, which never sees node 1.
+@example(rows=[((1,), ForwardRequest(0, 1, (5,) * 256, tree_parents=(0, 0, *range(2, 255))))])
+@pytest.mark.parametrize("max_len", [384, 320])
+def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows, max_len):
     """The block mask is built from the layout, not by evaluating the mask. A compiled kernel never looks at a
     block the mask leaves out (a CPU's reference does, so the test above cannot see this): every key a query
-    sees must lie in a visited block. For chains the visited blocks are exactly create_block_mask's."""
+    sees must lie in a visited block, and a block listed as full (no mask applied) must be visible whole. For
+    chains the partial and full blocks are exactly create_block_mask's."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     default = model.attention
     model.attention = "flex"
     try:
-        flex = _runner(model)._layout([r for _, r in rows]).flex
+        kv = KVCache(model, num_slots=MASK_SLOTS, max_len=max_len, device=torch.device("cpu"), dtype=torch.float32)
+        flex = ModelRunner(model, kv)._layout([r for _, r in rows]).flex
     finally:
         model.attention = default
     assert flex is not None
@@ -148,26 +156,22 @@ def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows):
     num_tokens, num_keys = mask.seq_lengths
     sees = mask.mask_mod(0, 0, torch.arange(num_tokens)[:, None], torch.arange(num_keys)[None])  # [N, keys]
     block = FLEX_BLOCK
-    pairs = sees.nonzero()
-    needed = {(int(q) // block, int(k) // block) for q, k in pairs}
-    counts, indices = mask.kv_num_blocks[0, 0], mask.kv_indices[0, 0]
-    visited = {(qb, int(kb)) for qb in range(len(counts)) for kb in indices[qb, : counts[qb]]}
-    assert needed <= visited
+    needed = {(int(q) // block, int(k) // block) for q, k in sees.nonzero()}
+    partial, full = _listed(mask.kv_num_blocks, mask.kv_indices), _listed(mask.full_kv_num_blocks, mask.full_kv_indices)
+    assert needed <= partial | full and not partial & full
+    for qb, kb in full:  # the kernel skips the mask in a full block: every score there must be visible
+        assert sees[qb * block : (qb + 1) * block, kb * block : (kb + 1) * block].all(), (qb, kb)
     if all(r.tree_parents is None for _, r in rows):
         reference = create_block_mask(mask.mask_mod, None, None, num_tokens, num_keys, device="cpu")
-        listed = {
-            (qb, int(kb))
-            for qb in range(len(counts))
-            for kb in reference.kv_indices[0, 0, qb, : reference.kv_num_blocks[0, 0, qb]]
-        }
-        full = reference.full_kv_num_blocks
-        if full is not None:
-            listed |= {
-                (qb, int(kb))
-                for qb in range(len(counts))
-                for kb in reference.full_kv_indices[0, 0, qb, : full[0, 0, qb]]
-            }
-        assert visited == listed
+        assert partial == _listed(reference.kv_num_blocks, reference.kv_indices)
+        assert full == _listed(reference.full_kv_num_blocks, reference.full_kv_indices)
+
+
+def _listed(counts: torch.Tensor | None, indices: torch.Tensor | None) -> set[tuple[int, int]]:
+    """(query block, key block) pairs a BlockMask lists."""
+    if counts is None or indices is None:
+        return set()
+    return {(qb, int(kb)) for qb, count in enumerate(counts[0, 0].tolist()) for kb in indices[0, 0, qb, :count]}
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
