@@ -131,6 +131,13 @@ class SpecEdgeServer:
         self.authenticator = Authenticator(config.auth_tokens)  # a bad token file fails before the model loads
         device = config.torch_device()
         dtype = config.torch_dtype(device)
+        if device.type == "cuda" and dtype != torch.float32:
+            log.info(
+                "%s on CUDA: the GPU's kernels round differently for steps of different shapes, so an answer can "
+                "change with the batch it rides in; --dtype float32 keeps speculative output equal to target-only "
+                "decoding (README, Lossless)",
+                str(dtype).removeprefix("torch."),
+            )
         started = time.monotonic()
         resolved = resolve(config.model)
         self.failure: str | None = None  # set when a tensor-parallel rank fails; the server must stop

@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: float32 on CPU, bfloat16 on CUDA. bfloat16 on a CPU with AVX512_BF16 halves the weight "
-        "stream, but changes the target's numerics (its answers are then bfloat16's answers)",
+        "stream, but changes the target's numerics (its answers are then bfloat16's answers); on CUDA they also "
+        "change with the batch, and float32 keeps speculative output equal to target-only decoding",
     )
     parser.add_argument(
         "--matmul",
