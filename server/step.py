@@ -175,7 +175,8 @@ class Stepper:
         kernel ready."""
         sizes = [n for n in CALIBRATION_TOKENS if n < max_tokens]
         try:
-            for num_tokens in sizes:  # warm-up, not timed: on CUDA a shape's first forward compiles its kernels
+            # Warm-up, not timed: on CUDA a shape's first forward compiles its kernels, so each size; elsewhere one.
+            for num_tokens in sizes if self.runner.device.type == "cuda" else sizes[:1]:
                 self.runner.forward_packed([ForwardRequest(0, 0, (0,) * num_tokens)])
             finish(self.runner.device)
             for num_tokens in sizes * 2:
