@@ -23,12 +23,14 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from specedge import noise
 from specedge.server import race_kernel
 from specedge.server.isolation import NonFiniteLogits
 from specedge.server.rejection import accepts, residual_tokens
-from specedge.server.sampling import argmax_and_race, logit_floors, row_keys
+from specedge.server.sampling import argmax_and_race, logit_floors
 from specedge.server.verify import VerifyResult
 from specedge.types import SamplingParams, SparseDist
 
@@ -43,6 +45,10 @@ class RowDraw:
     positions: tuple[int, ...] = ()  # [num_logits] sequence index of the token decided at each
     draft_token_ids: tuple[int, ...] = ()  # with draft_dists: a sampled chain, verified by rejection
     draft_dists: tuple[SparseDist, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.params is not None and not self.params.greedy and len(self.positions) != self.num_logits:
+            raise ValueError(f"a sampled row needs a position per logit: {len(self.positions)} for {self.num_logits}")
 
     @property
     def by_rejection(self) -> bool:
@@ -96,27 +102,26 @@ class _Setting:
     @staticmethod
     def of(rows: Sequence[RowDraw], starts: Sequence[int], logits: torch.Tensor) -> _Setting:
         num_logits = logits.shape[0]
-        sampled = torch.zeros(num_logits, dtype=torch.bool)
-        temperature = torch.ones(num_logits, dtype=torch.float64)
+        sampled, temperature = [False] * num_logits, [1.0] * num_logits
         top_k, top_p = [0] * num_logits, [1.0] * num_logits
-        keys = torch.zeros(num_logits, dtype=torch.long)
+        seed_keys, positions = [0] * num_logits, [0] * num_logits
         for i, row in enumerate(rows):
             if row.params is None or row.params.greedy:
                 continue
-            span = slice(starts[i], starts[i + 1])
-            sampled[span] = True
-            temperature[span] = row.params.temperature
-            top_k[span] = [row.params.top_k] * row.num_logits
-            top_p[span] = [row.params.top_p] * row.num_logits
-            keys[span] = row_keys(row.seed, row.positions, keys.device)
+            span, n = slice(starts[i], starts[i + 1]), row.num_logits
+            sampled[span], temperature[span] = [True] * n, [row.params.temperature] * n
+            top_k[span], top_p[span] = [row.params.top_k] * n, [row.params.top_p] * n
+            seed_keys[span], positions[span] = [noise.seed_key(row.seed)] * n, row.positions
+        # Every sampled position's key in one vectorized hash; a greedy row's is never read.
+        keys = noise.position_key(np.array(seed_keys, np.int64), np.array(positions, np.int64), noise.TARGET_STREAM)
         device = logits.device
-        temperature = temperature.to(device)
+        temperatures = torch.tensor(temperature, dtype=torch.float64, device=device)
         floors = (
-            logit_floors(logits, temperature, top_k, top_p)
-            if bool(sampled.any())
-            else temperature.new_full((num_logits,), -math.inf)
+            logit_floors(logits, temperatures, top_k, top_p)
+            if any(sampled)
+            else temperatures.new_full((num_logits,), -math.inf)
         )
-        return _Setting(sampled.to(device), temperature, floors, keys.to(device))
+        return _Setting(torch.tensor(sampled, device=device), temperatures, floors, torch.from_numpy(keys).to(device))
 
 
 def _verify_chains(

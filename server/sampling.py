@@ -87,7 +87,8 @@ def row_keys(
     seed: int, positions: Sequence[int], device: torch.device, stream: int = noise.TARGET_STREAM
 ) -> torch.Tensor:
     """[N] int64 noise keys of `positions` under `seed`."""
-    return torch.tensor([noise.row_key(seed, p, stream) for p in positions], dtype=torch.long, device=device)
+    keys = noise.position_key(noise.seed_key(seed), np.asarray(positions, dtype=np.int64), stream)
+    return torch.from_numpy(keys).to(device)
 
 
 def logit_floors(

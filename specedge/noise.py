@@ -12,7 +12,8 @@ therefore runs, bit for bit, on Python ints, numpy int64 arrays and torch
 int64 tensors on any device, so a llama.cpp edge needs neither torch nor this
 module's callers' dtypes to reproduce the server's noise.
 
-    key  = row_key(seed, position, stream)        # one per sampled position (Python int)
+    key  = row_key(seed, position, stream)        # one per sampled position (Python int; vectorized:
+                                                   # position_key(seed_key(seed), positions, stream))
     bits = token_bits(key, token_ids)              # [V] uniform 32-bit integers, vectorized
     u    = (token_uniform(bits) + 0.5) / 2**23     # its top 23 bits, in (0, 1), exact in float32
     gumbel = -log(-log(u))                         # exponential race: argmax(log w + gumbel) ~ w
@@ -59,11 +60,18 @@ def mix32(x: Ints) -> Ints:
 
 def row_key(seed: int, position: int, stream: int) -> int:
     """The key of one sampled position: its seed (any int), its sequence index and its stream."""
+    return position_key(seed_key(seed), position, stream)
+
+
+def seed_key(seed: int) -> int:
+    """The first half of `row_key`, the seed's alone: a sampler keys a row's positions from it."""
     seed &= (1 << 64) - 1
-    key = mix32((seed & MASK32) ^ _TOKEN_SALT)
-    key = mix32(key ^ (seed >> 32))
-    key = mix32(key ^ (position & MASK32))
-    return mix32(key ^ stream)
+    return mix32(mix32((seed & MASK32) ^ _TOKEN_SALT) ^ (seed >> 32))
+
+
+def position_key(seed_key: Ints | int, position: Ints, stream: int) -> Ints:
+    """The second half of `row_key`: vectorized over positions (and seed keys of the same shape)."""
+    return mix32(mix32(seed_key ^ (position & MASK32)) ^ stream)
 
 
 def token_bits(key: Ints | int, token_ids: Ints) -> Ints:

@@ -24,6 +24,21 @@ def test_one_hash_for_python_numpy_and_torch():
     assert all(0 <= bits < 2**32 for bits in in_python)
 
 
+def test_a_rows_keys_in_one_vectorized_hash_are_row_keys():
+    """The server keys a step's positions in one numpy hash; the edge keys one position as a Python int."""
+    for seed in (0, 7, 2**63 - 1, 2**64 + 3, -5):
+        positions = np.array([0, 1, 99_999, 2**31 + 5], dtype=np.int64)
+        vectorized = noise.position_key(noise.seed_key(seed), positions, noise.TARGET_STREAM).tolist()
+        assert vectorized == [noise.row_key(seed, int(p), noise.TARGET_STREAM) for p in positions]
+        assert row_keys(seed, positions.tolist(), torch.device("cpu")).tolist() == vectorized
+    # Pinned: a seeded answer's tokens depend on these values never changing.
+    assert [
+        noise.row_key(0, 0, noise.TARGET_STREAM),
+        noise.row_key(2**63 - 1, 99_999, noise.ACCEPT_STREAM),
+        noise.row_key(-5, 7, noise.DRAFT_STREAM),
+    ] == [124577091, 4108857383, 2315334906]
+
+
 def test_noise_depends_on_seed_position_stream_and_token():
     def bits(seed, position, stream, token):
         return noise.token_bits(noise.row_key(seed, position, stream), token)
