@@ -105,8 +105,17 @@ def _race(row, top, block_max, temperature, floor, key, token_hash, override_ids
         stop = min(start + _BLOCK, num_tokens)
         offset = np.float32(24.0 + BOUND_SLACK - best / LN2)
         highest = block_max[start // _BLOCK]
-        if not (highest >= floor and (highest - top_logit) * scale + offset >= np.float32(0.0)):
+        reach = (highest - top_logit) * scale + offset  # an upper bound on the block's t
+        if not (highest >= floor and reach >= np.float32(0.0)):
             continue  # no token of the block is within reach
+        # First the noise alone, against the block's highest t: y < 2**(t + 1), i.e. top > lowest_top.
+        shift = np.int32(min(reach, np.float32(23.0)) + np.float32(1.0))
+        lowest_top = np.int32(np.int32(_ONE) - (np.int32(1) << shift))  # int32 throughout: 8 lanes, not 4
+        highest_bits = np.uint32(0)
+        for j in range(start, stop):
+            highest_bits = max(highest_bits, _mix32(np.uint32(key ^ token_hash[np.uintp(j)])))
+        if not np.int32(highest_bits >> _SHIFT) > lowest_top:
+            continue
         candidates = False
         for j in range(start, stop):
             logit = row[np.uintp(j)]

@@ -11,8 +11,11 @@ when its logit is within the race's reach, and turned into a Gumbel value
     y = 2**23 - token_uniform(bits) in [1, 2**23], e = floor(log2 y)
 
 so a token can reach the best score S found so far only if e <= 24 - (S - a) / ln 2,
-a = (logit - max) / T: one variable shift of y. A flat row scores a few
-dozen tokens exactly, not 150k.
+a = (logit - max) / T: one variable shift of y. A block of 256 tokens is first
+tested by its noise alone, against its highest logit's bound: the largest of
+its hashes, one max per 8 tokens, which rules out most blocks of a flat row
+before any token's own bound is worked out. A flat row scores a few dozen
+tokens exactly, not 150k.
 
 Same bits, same scores, same winner as the eager race: the hash is
 specedge/noise.py's integer arithmetic in uint32 lanes, the exact score is
