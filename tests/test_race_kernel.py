@@ -134,6 +134,28 @@ def test_residuals_from_logits_are_the_dense_residuals():
         assert fast[4] == int(logits[4].argmax())
 
 
+def test_the_kernels_exponential_is_within_a_float32_rounding():
+    x = np.linspace(-80.0, 0.0, 200_001, dtype=np.float32)
+    exact = np.exp(x.astype(np.float64))
+    compiled = np.array([kernel._exp(v) for v in x[::97]] + [kernel._exp(x[-1])], np.float64)
+    assert np.max(np.abs(compiled / np.append(exact[::97], exact[-1]) - 1)) < 2e-7
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 0.8, 1.0, 1e3])
+def test_log_norms_are_float64_logsumexp(temperature):
+    """The vectorized sum (float32 exponentials and lanes) against torch's float64 logsumexp."""
+    generator = torch.Generator().manual_seed(10)
+    logits = torch.randn(24, 20_000, generator=generator) * torch.tensor([0.3, 3.0, 30.0] * 8)[:, None]
+    logits[3, :5000] = -math.inf
+    temperatures = torch.full((24,), temperature, dtype=torch.float64)
+    floors = logit_floors(logits, temperatures, [0, 0, 0, 40, 1, 5000] * 4, [1.0] * 24)
+    values = logits.max(dim=-1).values
+    compiled = race_kernel.log_norms(logits, torch.arange(24), values, temperatures, floors)
+    shifted = (logits.double() - values[:, None].double()) / max(temperature, torch.finfo(torch.float32).tiny)
+    exact = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).logsumexp(dim=-1)
+    torch.testing.assert_close(compiled, exact, rtol=0, atol=1e-6)
+
+
 def test_draw_rows_agree_on_the_compiled_and_the_eager_path():
     """float64 logits take the eager path; the same values in float32 take the kernel."""
     generator = torch.Generator().manual_seed(8)
