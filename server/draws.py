@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -101,26 +102,28 @@ class _Setting:
 
     @staticmethod
     def of(rows: Sequence[RowDraw], starts: Sequence[int], logits: torch.Tensor) -> _Setting:
-        num_logits = logits.shape[0]
+        num_logits, device = logits.shape[0], logits.device
+        samplers = [i for i, row in enumerate(rows) if row.params is not None and not row.params.greedy]
+        if not samplers:  # a greedy step: nothing to key or filter
+            return _Setting(
+                torch.zeros(num_logits, dtype=torch.bool, device=device),
+                torch.ones(num_logits, dtype=torch.float64, device=device),
+                torch.full((num_logits,), -math.inf, dtype=torch.float64, device=device),
+                torch.zeros(num_logits, dtype=torch.long, device=device),
+            )
         sampled, temperature = [False] * num_logits, [1.0] * num_logits
         top_k, top_p = [0] * num_logits, [1.0] * num_logits
         seed_keys, positions = [0] * num_logits, [0] * num_logits
-        for i, row in enumerate(rows):
-            if row.params is None or row.params.greedy:
-                continue
-            span, n = slice(starts[i], starts[i + 1]), row.num_logits
-            sampled[span], temperature[span] = [True] * n, [row.params.temperature] * n
-            top_k[span], top_p[span] = [row.params.top_k] * n, [row.params.top_p] * n
+        for i in samplers:
+            row, span, n = rows[i], slice(starts[i], starts[i + 1]), rows[i].num_logits
+            params = cast("SamplingParams", row.params)  # a sampler's, so set
+            sampled[span], temperature[span] = [True] * n, [params.temperature] * n
+            top_k[span], top_p[span] = [params.top_k] * n, [params.top_p] * n
             seed_keys[span], positions[span] = [noise.seed_key(row.seed)] * n, row.positions
         # Every sampled position's key in one vectorized hash; a greedy row's is never read.
         keys = noise.position_key(np.array(seed_keys, np.int64), np.array(positions, np.int64), noise.TARGET_STREAM)
-        device = logits.device
         temperatures = torch.tensor(temperature, dtype=torch.float64, device=device)
-        floors = (
-            logit_floors(logits, temperatures, top_k, top_p)
-            if any(sampled)
-            else temperatures.new_full((num_logits,), -math.inf)
-        )
+        floors = logit_floors(logits, temperatures, top_k, top_p)
         return _Setting(torch.tensor(sampled, device=device), temperatures, floors, torch.from_numpy(keys).to(device))
 
 
