@@ -125,7 +125,7 @@ class BenchConfig:
 
 def quick(config: BenchConfig) -> BenchConfig:
     """The smoke-test preset: N = 1 and 4, every mode, 14 ms RTT, 4 prompts of 4 categories, two short answers
-    per edge.
+    per edge. An explicit smaller --max-tokens, --max-prompts or --requests-per-edge makes it smaller still.
 
     About 8 minutes on a 2-core CPU with the real pair when the machine is quiet.
     """
@@ -136,7 +136,7 @@ def quick(config: BenchConfig) -> BenchConfig:
         rtt_ms=(14.0,),
         max_tokens=min(config.max_tokens, 24),
         max_prompts=min(config.max_prompts or 4, 4),
-        requests_per_edge=2,
+        requests_per_edge=min(config.requests_per_edge or 2, 2),
         repeats=1,
         warmup=1,
     )

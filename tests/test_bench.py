@@ -455,6 +455,16 @@ def test_quick_preset_keeps_at_least_n1_and_n4_and_every_mode():
 
     config = quick(BenchConfig(num_edges=(8,), modes=("ar",), max_tokens=500))
     assert config.num_edges == (1, 4) and config.modes == MODES and config.max_tokens <= 24 and config.rtt_ms == (14.0,)
+    assert config.requests_per_edge == 2  # the default stream of 4 is cut to 2
+
+
+def test_quick_preset_can_be_made_smaller_never_larger():
+    from specedge.bench.config import quick
+
+    assert quick(BenchConfig(requests_per_edge=1)).requests_per_edge == 1
+    assert quick(BenchConfig(requests_per_edge=None)).requests_per_edge == 2  # 0 on the command line: prompts / N
+    assert quick(BenchConfig(requests_per_edge=9, max_prompts=9)).requests_per_edge == 2
+    assert quick(BenchConfig(max_prompts=2, max_tokens=16)).max_prompts == 2
 
 
 def test_tensor_parallel_bench_compares_tp1_and_tp2_with_the_same_answers(tiny_target_dir, tmp_path, capsys):

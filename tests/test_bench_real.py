@@ -2,7 +2,7 @@
 
 Checks that the run completes and that results.json is well-formed, never the
 speed (timings belong to bench/results/, not to tests). Smaller than --quick
-proper (2 prompts, 16 tokens) to keep CI short.
+proper (2 prompts, 16 tokens, one answer per edge) to keep CI short.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def test_quick_run_completes_with_every_mode_and_a_well_formed_results_json(tmp_
         "2",
         "--max-tokens",
         "16",
+        "--requests-per-edge",
+        "1",
         "--out",
         str(out),
         "--no-progress",
@@ -41,6 +43,7 @@ def test_quick_run_completes_with_every_mode_and_a_well_formed_results_json(tmp_
     for (mode, _), record in records.items():
         assert all(field in record for field in REQUIRED_FIELDS), record.keys()
         assert record["throughput_tok_s"] > 0 and record["itl_p50_ms"] > 0 and record["cost_per_mtok_usd"] > 0
+        assert record["requests"] == record["num_edges"]
         assert record["identical_to_reference"] == f"{record['requests']}/{record['requests']}"
         if mode == "server_spec":  # edges may be advised not to draft at all; the server's own k is fixed
             assert 0 <= record["acceptance_rate"] <= 1
