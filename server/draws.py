@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import cast
 
 import numpy as np
 import torch
@@ -103,7 +102,9 @@ class _Setting:
     @staticmethod
     def of(rows: Sequence[RowDraw], starts: Sequence[int], logits: torch.Tensor) -> _Setting:
         num_logits, device = logits.shape[0], logits.device
-        samplers = [i for i, row in enumerate(rows) if row.params is not None and not row.params.greedy]
+        samplers = [
+            (i, row, row.params) for i, row in enumerate(rows) if row.params is not None and not row.params.greedy
+        ]
         if not samplers:  # a greedy step: nothing to key or filter
             return _Setting(
                 torch.zeros(num_logits, dtype=torch.bool, device=device),
@@ -114,9 +115,8 @@ class _Setting:
         sampled, temperature = [False] * num_logits, [1.0] * num_logits
         top_k, top_p = [0] * num_logits, [1.0] * num_logits
         seed_keys, positions = [0] * num_logits, [0] * num_logits
-        for i in samplers:
-            row, span, n = rows[i], slice(starts[i], starts[i + 1]), rows[i].num_logits
-            params = cast("SamplingParams", row.params)  # a sampler's, so set
+        for i, row, params in samplers:
+            span, n = slice(starts[i], starts[i + 1]), row.num_logits
             sampled[span], temperature[span] = [True] * n, [params.temperature] * n
             top_k[span], top_p[span] = [params.top_k] * n, [params.top_p] * n
             seed_keys[span], positions[span] = [noise.seed_key(row.seed)] * n, row.positions
