@@ -17,17 +17,19 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("out_features", [4, 7, 130])  # 7 and 130 leave a partial block of four weight rows
-def test_plain_linear_equals_the_linear_it_replaces(out_features, bias):
+@pytest.mark.parametrize("in_features", [48, 44])  # 44: no whole 8-lane steps, so no prefetching tile
+def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, bias):
     torch.manual_seed(out_features)
-    linear = torch.nn.Linear(48, out_features, bias=bias)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
     plain = PlainLinear(linear.weight, linear.bias)
-    # Odd and even row counts (the kernel pairs rows), both sides of the kernel's limit, and a 3-d input.
-    for rows in (1, 2, 3, 8, NUMBA_MAX_ROWS, NUMBA_MAX_ROWS + 1, 97):
-        x = torch.randn(rows, 48)
+    # Odd and even row counts (the kernel pairs rows, and prefetches from two pairs on), both sides of the
+    # kernel's limit, and a 3-d input.
+    for rows in (1, 2, 3, 4, 5, 8, NUMBA_MAX_ROWS, NUMBA_MAX_ROWS + 1, 97):
+        x = torch.randn(rows, in_features)
         with torch.inference_mode():
             torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
     with torch.inference_mode():
-        x = torch.randn(2, 5, 48)
+        x = torch.randn(2, 5, in_features)
         torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
