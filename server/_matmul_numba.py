@@ -54,18 +54,14 @@ def matmul(x, w, y):
     for block in prange((n + 3) // 4):
         o = block * 4
         if o + 4 <= n:
-            if prefetching:
-                ahead = min(block + 1, full_blocks - 1) * 4 * k  # the last block prefetches itself, harmlessly
-                for pair in range(pairs):
+            ahead = min(block + 1, full_blocks - 1) * 4 * k  # the last block prefetches itself, harmlessly
+            for pair in range(pairs):
+                if prefetching:
                     _dot_4x2_prefetching(x, 2 * pair, 2 * pair + 1, w, o, y, ahead + pair * share * 16, share)
-                m = 2 * pairs
-            else:
-                m = 0
-                while m + 1 < m_rows:
-                    dot_4x2(x, m, m + 1, w, o, 1, y, o)
-                    m += 2
-            if m < m_rows:
-                dot_4x1(x, m, w, o, 1, y, o)
+                else:
+                    dot_4x2(x, 2 * pair, 2 * pair + 1, w, o, 1, y, o)
+            if m_rows % 2:
+                dot_4x1(x, m_rows - 1, w, o, 1, y, o)
         else:  # the last 1-3 weight rows
             for j in range(o, n):
                 for m in range(m_rows):
