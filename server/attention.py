@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from specedge.server.kernels import load_kernel
+
 log = logging.getLogger(__name__)
 
 ATTENTION_KINDS = ("auto", "rows", "numba", "flex")
@@ -83,14 +85,7 @@ def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 @functools.cache
 def numba_kernel() -> ModuleType | None:
     """server/_attention_numba.py compiled, or None where numba is missing or fails to compile."""
-    try:
-        from specedge.server import _attention_numba
-
-        _attention_numba.warm_up()
-    except Exception as error:  # noqa: BLE001 - missing or failing to compile both mean: the row loop
-        log.warning("the numba attention kernel is unavailable here: %s", error)
-        return None
-    return _attention_numba
+    return load_kernel("_attention_numba", "attention runs one call per row")
 
 
 @dataclasses.dataclass(frozen=True)

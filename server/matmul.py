@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specedge.server.kernels import load_kernel
+
 if TYPE_CHECKING:
     from specedge.server.model import CausalLM
 
@@ -105,14 +107,7 @@ class PlainLinear(nn.Module):
 @functools.cache
 def numba_kernel() -> ModuleType | None:
     """server/_matmul_numba.py compiled, or None where numba is missing or fails to compile."""
-    try:
-        from specedge.server import _matmul_numba
-
-        _matmul_numba.warm_up()
-    except Exception as error:  # noqa: BLE001 - missing or failing to compile both mean: another path
-        log.warning("the numba matrix kernel is unavailable here: %s", error)
-        return None
-    return _matmul_numba
+    return load_kernel("_matmul_numba", "matrix products take another path")
 
 
 def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from specedge import noise
+from specedge.server.kernels import load_kernel
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +62,7 @@ class Overrides:
 @functools.cache
 def kernel():
     """The compiled kernel, or None (after one log line) where numba is missing or fails to compile."""
-    try:
-        from specedge.server import _race_numba
-    except ImportError as error:
-        log.warning("numba unavailable (%s): sampling runs on torch's eager race", error)
-        return None
-    try:
-        _race_numba.warm_up()
-    except Exception as error:  # noqa: BLE001 - any compiler failure means: use the eager path
-        log.warning("numba could not compile the race kernel (%s): sampling runs on torch's eager race", error)
-        return None
-    return _race_numba
+    return load_kernel("_race_numba", "sampling runs on torch's eager race")
 
 
 def covers(logits: torch.Tensor) -> bool:

@@ -1,0 +1,28 @@
+"""The numba kernels' one loading seam: each compiled once per process, or None where it cannot be.
+
+Every compiled path (server/_*_numba.py) has a plain path beside it, so a missing numba or a compiler
+failure costs speed, never service: the caller says what runs instead, in one log line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+
+def load_kernel(name: str, instead: str) -> ModuleType | None:
+    """specedge.server.<name> imported and warmed up (compiled, or loaded from numba's cache), or None."""
+    try:
+        module = importlib.import_module(f"specedge.server.{name}")
+    except ImportError as error:
+        log.warning("numba unavailable (%s): %s", error, instead)
+        return None
+    try:
+        module.warm_up()
+    except Exception as error:  # noqa: BLE001 - any compiler failure means: the plain path
+        log.warning("numba could not compile %s (%s): %s", name, error, instead)
+        return None
+    return module
