@@ -12,8 +12,9 @@ Measured one after the other in this process (CPU only):
    and inductor's compiled product with frozen weights (the alternative the packed path was chosen over);
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1; where attention is compiled (numba,
-   the CPU float32 default), each forward also on the row loop, the two taken in turn; and one layer's
-   attention alone on both, at --attention-keys cached keys a row;
+   the CPU float32 default), each forward also on the row loop, and where layers are compiled (numba) also
+   module by module, all taken in turn; and one layer's attention alone on both, at --attention-keys cached
+   keys a row;
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
 4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits;
 5. peak RSS after each phase and the KV cache each path reserved.
@@ -334,32 +335,33 @@ def time_path(
     for cache in (*kv.k, *kv.v):
         cache[1:, : config.prefix] = cache[0, : config.prefix]
     results: dict[str, dict] = {}
-    attention = model.attention
+    attention, layers = model.attention, model.compiled_layers
+    # Where attention is compiled, the row loop as its baseline; where layers are compiled, the same forwards
+    # layer by layer through the modules (with the compiled attention): all taken in turn.
+    baselines = {"rows": ("rows", None), **({"modules": (attention, None)} if layers is not None else {})}
     for step in steps:
         forward = functools.partial(runner.forward_packed, step.requests(config.prefix, token_ids))
         if attention == "rows":
             times = _times_ms(forward, config.repeats)
             results[step.name] = {"ms": statistics.median(times), "times_ms": times}
-        else:  # the compiled attention, and the row loop as its baseline, in turn
+        else:
 
-            def on(kind: str, forward: Callable[[], object] = forward) -> Callable[[], object]:
+            def on(setting: tuple, forward: Callable[[], object] = forward) -> Callable[[], object]:
                 def call() -> object:
-                    model.attention = kind  # a field set: nothing worth timing
+                    model.attention, model.compiled_layers = setting  # fields set: nothing worth timing
                     return forward()
 
                 return call
 
             try:
-                timed = _in_turn_ms({attention: on(attention), "rows": on("rows")}, config.repeats)
+                calls = {name: on(setting) for name, setting in {"default": (attention, layers), **baselines}.items()}
+                timed = _in_turn_ms(calls, config.repeats)
             finally:
-                model.attention = attention
-            times, row_times = timed[attention], timed["rows"]
-            results[step.name] = {
-                "ms": statistics.median(times),
-                "times_ms": times,
-                "rows_attention_ms": statistics.median(row_times),
-                "rows_attention_times_ms": row_times,
-            }
+                model.attention, model.compiled_layers = attention, layers
+            results[step.name] = {"ms": statistics.median(timed["default"]), "times_ms": timed["default"]}
+            for name in baselines:
+                key = "rows_attention" if name == "rows" else name
+                results[step.name] |= {f"{key}_ms": statistics.median(timed[name]), f"{key}_times_ms": timed[name]}
         progress(f"{path} {step.name}: {results[step.name]['ms']:.1f} ms")
     largest = max(steps, key=lambda step: step.num_logits)
     sample = runner.forward_packed(largest.requests(config.prefix, token_ids))  # [num_logits, vocab]
@@ -368,6 +370,7 @@ def time_path(
     figures = {
         "matmul": target.matmul,
         "attention": attention,
+        "compiled_layers": layers is not None,
         "load_s": load_s,
         "steps": results,
         "kv_cache_bytes": kv_bytes,
@@ -651,20 +654,36 @@ def _attention_lines(roofline: dict, paths: dict, timed: list[str]) -> list[str]
     if not compared:
         return []
     attention = paths[compared[0]]["attention"]
+    title = f"## Attention: {attention} against the row loop (the same forwards, taken in turn)"
+    return _against_lines(title, roofline, paths, compared, (attention, "rows"), "rows_attention_ms")
+
+
+def _layers_lines(roofline: dict, paths: dict, timed: list[str]) -> list[str]:
+    """Compiled layers against the same forwards module by module, taken in turn."""
+    compared = [p for p in timed if paths[p].get("compiled_layers")]
+    title = (
+        "## Compiled layers against the modules (the same forwards, taken in turn; steps the compiled layers "
+        "do not take run the modules in both)"
+    )
+    return _against_lines(title, roofline, paths, compared, ("compiled", "modules"), "modules_ms") if compared else []
+
+
+def _against_lines(
+    title: str, roofline: dict, paths: dict, compared: list[str], names: tuple[str, str], baseline: str
+) -> list[str]:
+    """Each compared path's forwards (names[0]) against a baseline timed in turn with them (names[1])."""
     lines = [
         "",
-        f"## Attention: {attention} against the row loop (the same forwards, taken in turn)",
+        title,
         "",
-        "| step | " + " | ".join(f"{p}: {attention} ms | rows ms | ratio" for p in compared) + " |",
+        "| step | " + " | ".join(f"{p}: {names[0]} ms | {names[1]} ms | ratio" for p in compared) + " |",
         "|---" * (1 + 3 * len(compared)) + "|",
     ]
     for name in roofline:
         cells = []
         for p in compared:
             step = paths[p]["steps"][name]
-            cells.append(
-                f"{step['ms']:.1f} | {step['rows_attention_ms']:.1f} | {_x(step['ms'] / step['rows_attention_ms'])}"
-            )
+            cells.append(f"{step['ms']:.1f} | {step[baseline]:.1f} | {_x(step['ms'] / step[baseline])}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -742,6 +761,7 @@ def engine_markdown(results: dict) -> str:
             + (f" | {_x(ms['eager'] / fastest)} |" if fastest else " |")
         )
     lines += _attention_lines(results["roofline"], paths, timed)
+    lines += _layers_lines(results["roofline"], paths, timed)
     lines += _attention_kernel_lines(limits.get("attention"))
     hf, host = results["hf"], results["host"]
     lines += ["", "## transformers' own greedy decoding, same weights", ""]

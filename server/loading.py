@@ -24,6 +24,7 @@ from filelock import FileLock
 
 from specedge.registry import ResolvedModel, default_cache_dir, file_cache_key
 from specedge.server.attention import resolve_attention
+from specedge.server.layer_kernel import compile_layers
 from specedge.server.matmul import pack_for_onednn, plain_for_numba, resolve_matmul
 from specedge.server.model import CausalLM, Collectives, ModelArgs, rope_frequencies
 from specedge.server.parallel import load_shard
@@ -70,6 +71,7 @@ def load_target(
         pack_for_onednn(target.model)
     elif kind == "numba":
         plain_for_numba(target.model)
+        compile_layers(target.model)
     target.matmul = kind
     target.model.attention = resolve_attention(attention, device, dtype)
     return target

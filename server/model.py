@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from specedge.server.attention import CompiledRows, FlexLayout, flex_attention, row_attention
+
+if TYPE_CHECKING:
+    from specedge.server.layer_kernel import CompiledLayers
 
 # RoPE variants whose frequencies do not depend on the sequence length; the
 # dynamic ones would make a token's result depend on its batch.
@@ -298,6 +301,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
+        # Set on the numba path (server/layer_kernel.py): the steps it takes run each layer in one compiled call.
+        self.compiled_layers: CompiledLayers | None = None
 
     def forward(
         self,
@@ -314,9 +319,13 @@ class CausalLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]  # [N, 1, D]
         sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None]
-        for layer, k_cache, v_cache in zip(self.model.decoder_layers(), k_caches, v_caches):
-            x = x + self._sum(layer.self_attn(layer.input_layernorm(x), cos, sin, k_cache, v_cache, batch))
-            x = x + self._sum(layer.mlp(layer.post_attention_layernorm(x)))
+        compiled = self.compiled_layers
+        if compiled is not None and self.collectives is None and compiled.takes(batch):
+            compiled(x, cos[:, 0], sin[:, 0], k_caches, v_caches, batch)  # x in place
+        else:
+            for layer, k_cache, v_cache in zip(self.model.decoder_layers(), k_caches, v_caches):
+                x = x + self._sum(layer.self_attn(layer.input_layernorm(x), cos, sin, k_cache, v_cache, batch))
+                x = x + self._sum(layer.mlp(layer.post_attention_layernorm(x)))
         hidden = self.model.norm(x[batch.logit_indices])  # [L, hidden]
         logits = self.lm_head(hidden).float()  # [L, num_vocab_rows]
         if self.collectives is None:

@@ -98,6 +98,13 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
             f"{path} {name} on the row loop": run.get("steps", {}).get(name, {}).get("rows_attention_ms")
             for name in DEFAULT_STEPS
         }
+        # The numba path's compiled layers, and the same forwards through the modules, both timed on every step.
+        assert run.get("compiled_layers") == (path == "numba")
+        if path == "numba":
+            figures |= {
+                f"{path} {name} module by module": run.get("steps", {}).get(name, {}).get("modules_ms")
+                for name in DEFAULT_STEPS
+            }
         figures |= {
             f"{path} {key}": run.get(key) for key in ("kv_cache_bytes", "peak_rss_bytes", "rss_anon_bytes", "load_s")
         }
@@ -134,8 +141,10 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert "| cached keys | step | numba ms | rows ms | numba / rows |" in table
     assert "| 8 | 8x5 |" in table
     assert "| step | eager: numba ms | rows ms | ratio | onednn: numba ms | rows ms | ratio |" in table
+    assert "| step | numba: compiled ms | modules ms | ratio |" in table
     forwards, attention = table.split("## Forwards")[1].split("## Attention")
-    for section in (forwards, attention.split("\n## ")[0]):
+    layers = table.split("## Compiled layers against the modules")[1]
+    for section in (forwards, attention.split("\n## ")[0], layers.split("\n## ")[0]):
         rows = [
             line for line in section.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))
         ]

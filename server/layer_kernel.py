@@ -1,0 +1,129 @@
+"""The numba path's decoder layers: a whole layer in one compiled call (server/_layer_numba.py).
+
+On the `numba` matrix path, with `numba` attention, a step of up to NUMBA_MAX_ROWS
+tokens whose rows all take the attention kernel runs each layer as one call: the
+same product and attention kernels the modules call, with the norms, RoPE, KV
+writes, SiLU and residual adds compiled between them. The module path returned to
+Python after every product and torch op, and each return ran with caches just
+flushed by tens of megabytes of weights. On the 2-core EPYC of bench/results that
+glue cost about 50 ms of a 300 ms 1 x 1 forward; compiled, it costs a few.
+
+Other steps (prefill chunks over NUMBA_MAX_ROWS tokens, rows too long for the
+attention kernel, tensor-parallel ranks, which all-reduce between a layer's halves)
+run the modules. Both compute the same layer; only rounding differs, as between
+the kernel and oneDNN's GEMM at the same boundary (server/matmul.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specedge.server.kernels import load_kernel
+from specedge.server.matmul import NUMBA_MAX_ROWS, PlainLinear
+
+if TYPE_CHECKING:
+    from specedge.server.model import CausalLM, StepBatch
+
+_NONE = np.zeros(0, np.float32)  # an absent bias or per-head norm
+
+
+@functools.cache
+def numba_kernel() -> ModuleType | None:
+    """server/_layer_numba.py compiled, or None where numba is missing or fails to compile."""
+    return load_kernel("_layer_numba", "layers run module by module")
+
+
+def compile_layers(model: CausalLM) -> None:
+    """Give a model on the numba path its compiled layers, where the kernel compiles (else it keeps its modules)."""
+    if model.collectives is None and numba_kernel() is not None:
+        model.compiled_layers = CompiledLayers(model)
+
+
+class CompiledLayers:
+    """Every decoder layer's weights as the compiled layer takes them: views of the model's own tensors."""
+
+    def __init__(self, model: CausalLM):
+        args = model.args
+        self.num_heads = model.partition.num_heads
+        self.eps = np.float32(args.rms_norm_eps)
+        self.layers = []
+        for layer in model.model.decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o, gate_up, down = map(_plain, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            self.layers.append(
+                (
+                    _rows(layer.input_layernorm.weight),
+                    qkv.weight.numpy(),
+                    _NONE if qkv.bias is None else qkv.bias.numpy(),
+                    _NONE if attn.q_norm is None else _rows(attn.q_norm.weight),
+                    _NONE if attn.k_norm is None else _rows(attn.k_norm.weight),
+                    o.weight.numpy(),
+                    _rows(layer.post_attention_layernorm.weight),
+                    gate_up.weight.numpy(),
+                    down.weight.numpy(),
+                )
+            )
+
+    @staticmethod
+    def takes(batch: StepBatch) -> bool:
+        """Whether this step runs compiled: few enough tokens for the product kernel, every row in the
+        attention kernel."""
+        compiled = batch.compiled
+        return compiled is not None and not compiled.others and batch.token_ids.shape[0] <= NUMBA_MAX_ROWS
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [N, hidden] float32, contiguous: updated in place
+        cos: torch.Tensor,  # [N, D]
+        sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        batch: StepBatch,
+    ) -> None:
+        kernel = numba_kernel()
+        compiled = batch.compiled
+        assert kernel is not None and compiled is not None, "CompiledLayers is built where the kernel compiled"
+        kernel.set_threads(torch.get_num_threads())
+        rows = (compiled.starts, compiled.num_new, compiled.slots, compiled.num_cached)
+        tree = (compiled.tree_offsets, compiled.tree_masks)
+        residual, cos_rows, sin_rows = x.detach().numpy(), cos.contiguous().numpy(), sin.contiguous().numpy()
+        kv_slots, kv_positions = batch.kv_slots.numpy(), batch.kv_positions.numpy()
+        for weights, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down = weights
+            kernel.decoder_layer(
+                residual,
+                self.eps,
+                input_norm,
+                qkv,
+                qkv_bias,
+                q_norm,
+                k_norm,
+                o,
+                post_norm,
+                gate_up,
+                down,
+                cos_rows,
+                sin_rows,
+                k_cache.numpy(),
+                v_cache.numpy(),
+                kv_slots,
+                kv_positions,
+                *rows,
+                *tree,
+                self.num_heads,
+            )
+
+
+def _rows(weight: torch.Tensor) -> np.ndarray:
+    return weight.detach().numpy()
+
+
+def _plain(projection: torch.nn.Module | None) -> PlainLinear:
+    if not isinstance(projection, PlainLinear):
+        raise TypeError("the compiled layer takes the numba path's fused PlainLinear projections")
+    return projection

@@ -1,0 +1,99 @@
+"""The numba path's compiled decoder layer (server/layer_kernel.py) against the modules it stands in for.
+
+On the numba path a step of up to NUMBA_MAX_ROWS tokens, every row short enough for
+the attention kernel, runs each layer in one compiled call. It must give every row
+the logits and the KV entries the modules give, on every supported family (qkv
+bias or none, per-head q/k norms, a decoupled head_dim, llama3 RoPE), and steps it
+cannot take must fall back to the modules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+
+from specedge.registry import ResolvedModel
+from specedge.server import layer_kernel
+from specedge.server.attention import NUMBA_MAX_NEW
+from specedge.server.loading import load_target
+from specedge.server.matmul import NUMBA_MAX_ROWS
+from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
+from test_batched_forward import session_rounds
+
+CPU = torch.device("cpu")
+NUM_SLOTS, MAX_LEN = 6, 96
+# Qwen2 (qkv bias), Llama 2-style (none; 4 KV heads), Qwen3 (q/k norms, head_dim 32 != hidden / heads) and
+# Llama 3.x (llama3 RoPE, tied embeddings).
+FAMILIES = ["tiny_target_dir", "tiny_llama_dir", "tiny_qwen3_dir", "tiny_llama3_dir"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    model_dir = request.getfixturevalue(request.param)
+    target = load_target(ResolvedModel("tiny", "hf", model_dir), device=CPU, dtype=torch.float32, matmul="numba")
+    assert target.model.attention == "numba" and target.model.compiled_layers is not None
+    return target.model
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many forwards ran the compiled layers."""
+    counted = []
+    run = layer_kernel.CompiledLayers.__call__
+
+    def counting(self, *args, **kwargs):
+        counted.append(1)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(layer_kernel.CompiledLayers, "__call__", counting)
+    return counted
+
+
+def _step(model, rows, *, compiled: bool) -> tuple[list[torch.Tensor], ModelRunner]:
+    """The round's logits with every prefix cached first (prefixes by the modules), and the runner."""
+    layers = model.compiled_layers
+    runner = ModelRunner(model, KVCache(model, num_slots=NUM_SLOTS, max_len=MAX_LEN, device=CPU, dtype=torch.float32))
+    model.compiled_layers = None
+    try:
+        runner.forward([ForwardRequest(r.slot, 0, tuple(prefix)) for prefix, r in rows])
+        model.compiled_layers = layers if compiled else None
+        return runner.forward([r for _, r in rows]), runner
+    finally:
+        model.compiled_layers = layers
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=session_rounds(max_new=NUMBA_MAX_NEW))
+def test_compiled_layers_give_every_row_what_the_modules_give(model, calls, rows):
+    """Random mixes of decode tokens, chains and trees over random prefixes: the same logits and KV entries."""
+    assume(sum(len(r.token_ids) for _, r in rows) <= NUMBA_MAX_ROWS)
+    before = len(calls)  # one fixture for all of hypothesis's examples
+    want, modules = _step(model, rows, compiled=False)
+    assert len(calls) == before
+    got, compiled = _step(model, rows, compiled=True)
+    assert len(calls) == before + 1
+    for logits, reference in zip(got, want):
+        torch.testing.assert_close(logits, reference, atol=2e-4, rtol=0)
+    for caches, references in ((compiled.kv.k, modules.kv.k), (compiled.kv.v, modules.kv.v)):
+        for cache, reference in zip(caches, references):
+            torch.testing.assert_close(cache, reference, atol=1e-4, rtol=0)
+
+
+def test_steps_the_compiled_layers_cannot_take_run_the_modules(model, calls):
+    """Over NUMBA_MAX_ROWS tokens (a prefill chunk), a row too long for the attention kernel, or the row-loop
+    attention: each runs the modules, and gives what they give."""
+    width = NUMBA_MAX_ROWS // 4 + 1  # four short rows, over the product kernel's limit together
+    too_many = [((5, slot), ForwardRequest(slot, 2, tuple(range(slot, slot + width)))) for slot in range(4)]
+    too_long = [((5,), ForwardRequest(0, 1, tuple(range(10, 11 + NUMBA_MAX_NEW)))), ((6,), ForwardRequest(1, 1, (7,)))]
+    for rows in (too_many, too_long):
+        got, _ = _step(model, rows, compiled=True)
+        want, _ = _step(model, rows, compiled=False)
+        for logits, reference in zip(got, want):
+            torch.testing.assert_close(logits, reference, atol=0, rtol=0)  # the same path: bit for bit
+    model.attention = "rows"
+    try:
+        _step(model, [((5,), ForwardRequest(0, 1, (8,)))], compiled=True)
+    finally:
+        model.attention = "numba"
+    assert not calls
