@@ -71,9 +71,10 @@ def load_target(
         pack_for_onednn(target.model)
     elif kind == "numba":
         plain_for_numba(target.model)
-        compile_layers(target.model)
     target.matmul = kind
     target.model.attention = resolve_attention(attention, device, dtype)
+    if kind == "numba" and target.model.attention == "numba":
+        compile_layers(target.model)  # whole layers in one call: the two kernels with their glue compiled
     return target
 
 

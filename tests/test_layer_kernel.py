@@ -97,3 +97,13 @@ def test_steps_the_compiled_layers_cannot_take_run_the_modules(model, calls):
     finally:
         model.attention = "numba"
     assert not calls
+
+
+@pytest.mark.parametrize(("matmul", "attention"), [("numba", "rows"), ("eager", "numba"), ("onednn", "numba")])
+def test_only_the_numba_paths_together_compile_layers(tiny_target_dir, matmul, attention):
+    """The compiled layer is the numba product and attention kernels with their glue: another path for either
+    keeps the modules (and spends no start-up compiling it)."""
+    resolved = ResolvedModel("tiny", "hf", tiny_target_dir)
+    target = load_target(resolved, device=CPU, dtype=torch.float32, matmul=matmul, attention=attention)
+    assert (target.matmul, target.model.attention) == (matmul, attention)
+    assert target.model.compiled_layers is None
