@@ -107,6 +107,7 @@ def test_sixteen_edges_chains_and_trees_greedy_and_sampled(server, tokenizer, ti
     async def run():
         edges = asyncio.gather(*(one_edge(i, shape, sampling) for i, (shape, sampling) in enumerate(kinds)))
         outputs = await edges
+        batches.append(server.server.stats.snapshot()["batch_size"])  # before the one-at-a-time references
         # Seeded sampled trees and chains (coupled) are verified by matching the target's
         # position-keyed samples: they must equal the seeded target-only run.
         references = {}
@@ -115,7 +116,8 @@ def test_sixteen_edges_chains_and_trees_greedy_and_sampled(server, tokenizer, ti
                 references[i] = await server_only(i, sampling)
         return outputs, references
 
-    steps_before = server.server.stats.snapshot()["num_steps"]
+    before = server.server.stats.snapshot()
+    steps_before, batches = before["num_steps"], [before["batch_size"]]
     outputs, references = asyncio.run(run())
     for i, ((shape, sampling), output) in enumerate(zip(kinds, outputs)):
         if sampling is None:
@@ -123,7 +125,8 @@ def test_sixteen_edges_chains_and_trees_greedy_and_sampled(server, tokenizer, ti
         else:
             assert output == references[i], (i, shape)
     stats = server.server.stats.snapshot()
-    assert stats["batch_size"].total / stats["batch_size"].count > 1.5  # rounds really shared forwards
+    start, edges_done = batches  # rows per forward while the sixteen edges ran: rounds really shared forwards
+    assert (edges_done.total - start.total) / (edges_done.count - start.count) > 1.5
     assert stats["num_steps"] > steps_before
     assert not server.server.engine.sessions
 
