@@ -301,7 +301,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
-        # Set on the numba path (server/layer_kernel.py): the steps it takes run each layer in one compiled call.
+        # Set on the numba path (server/layer_kernel.py), never on a tensor-parallel rank: the steps it takes run
+        # each layer in one compiled call.
         self.compiled_layers: CompiledLayers | None = None
 
     def forward(
@@ -320,7 +321,7 @@ class CausalLM(nn.Module):
         cos = (angles.cos() * self.rope_scaling).to(x.dtype)[:, None]  # [N, 1, D]
         sin = (angles.sin() * self.rope_scaling).to(x.dtype)[:, None]
         compiled = self.compiled_layers
-        if compiled is not None and self.collectives is None and compiled.takes(batch):
+        if compiled is not None and compiled.takes(batch):
             compiled(x, cos[:, 0], sin[:, 0], k_caches, v_caches, batch)  # x in place
         else:
             for layer, k_cache, v_cache in zip(self.model.decoder_layers(), k_caches, v_caches):

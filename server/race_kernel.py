@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 
 import numpy as np
@@ -36,8 +35,6 @@ import torch
 
 from specedge import noise
 from specedge.server.kernels import load_kernel
-
-log = logging.getLogger(__name__)
 
 NO_TOKEN = -1  # a race in which no token has a finite score (every weight overridden to zero)
 
