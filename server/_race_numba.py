@@ -16,12 +16,19 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from specedge import noise
-from specedge.server.race_kernel import BOUND_SLACK, LN2, NO_TOKEN
 
-_MIX = np.uint32(noise.MIX_MULTIPLIER)
-_SHIFT = np.uint32(32 - noise.UNIFORM_BITS)
-_ONE = np.uint32(1 << noise.UNIFORM_BITS)  # y = _ONE - token_uniform(bits), in [1, 2**23]
-_U_SCALE = np.float32(2.0**-noise.UNIFORM_BITS)
+# numba compiles these values into the kernels it caches on disk, and its cache watches this file only: values
+# read from another file would stay stale there. So they are written out here, and tests/test_kernels.py checks
+# them against their sources.
+NO_TOKEN = -1  # server/race_kernel.py's NO_TOKEN
+_MIX = np.uint32(0x45D9F3B)  # specedge/noise.py's MIX_MULTIPLIER
+_UNIFORM_BITS = 23  # specedge/noise.py's UNIFORM_BITS
+_SHIFT = np.uint32(32 - _UNIFORM_BITS)
+_ONE = np.uint32(1 << _UNIFORM_BITS)  # y = _ONE - token_uniform(bits), in [1, 2**23]
+_U_SCALE = np.float32(2.0**-_UNIFORM_BITS)
+# The bound's slack, in units of e (ln 2 of score): float32 rounding of a score is ~1e-5 of it.
+BOUND_SLACK = 1 / 64
+LN2 = math.log(2.0)
 # Rows are read in blocks: the argmax keeps each block's max, and the race skips a block whose
 # max is out of reach and updates its bound between blocks.
 _BLOCK = 256

@@ -6,7 +6,7 @@
 - `numba` (CPU, float32): every row of up to NUMBA_MAX_NEW new tokens (decode
   tokens, verify chains and trees) and NUMBA_MAX_SCORES scores attends in one
   compiled call per layer, one task per (row, KV head), reading its slot in place
-  (server/_attention_numba.py). Longer rows (prefill chunks, verify rounds deep
+  (server/_forward_numba.py). Longer rows (prefill chunks, verify rounds deep
   into a long context) take `rows`' scaled-dot-product call, whose flash kernel
   reuses each key over many queries. On the 2-core EPYC of bench/results,
   eight one-token rows over 200 cached keys took 0.33 ms a layer, against 1.30 ms
@@ -84,8 +84,8 @@ def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 @functools.cache
 def numba_kernel() -> ModuleType | None:
-    """server/_attention_numba.py compiled, or None where numba is missing or fails to compile."""
-    return load_kernel("_attention_numba", "attention runs one call per row")
+    """server/_forward_numba.py compiled, or None where numba is missing or fails to compile."""
+    return load_kernel("_forward_numba", "attention runs one call per row")
 
 
 @dataclasses.dataclass(frozen=True)

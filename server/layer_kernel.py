@@ -1,4 +1,4 @@
-"""The numba path's decoder layers: a whole layer in one compiled call (server/_layer_numba.py).
+"""The numba path's decoder layers: a whole layer in one compiled call (server/_forward_numba.py).
 
 On the `numba` matrix path, with `numba` attention, a step of up to NUMBA_MAX_ROWS
 tokens whose rows all take the attention kernel runs each layer as one call: the
@@ -35,8 +35,8 @@ _NONE = np.zeros(0, np.float32)  # an absent bias or per-head norm
 
 @functools.cache
 def numba_kernel() -> ModuleType | None:
-    """server/_layer_numba.py compiled, or None where numba is missing or fails to compile."""
-    return load_kernel("_layer_numba", "layers run module by module")
+    """server/_forward_numba.py compiled, or None where numba is missing or fails to compile."""
+    return load_kernel("_forward_numba", "layers run module by module")
 
 
 def compile_layers(model: CausalLM) -> None:

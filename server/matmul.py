@@ -5,7 +5,7 @@
 - `numba` (CPU, float32): the weights stay row-major, as loaded, in one copy (a
   tied LM head reads the embedding table itself). A product of up to
   `NUMBA_MAX_ROWS` rows, every decode and verify step's, runs a numba kernel
-  that streams the weights at memory speed (server/_matmul_numba.py); a larger
+  that streams the weights at memory speed (server/_forward_numba.py); a larger
   one (prefill) runs oneDNN's GEMM on the same plain weights, which measured as
   fast as on its own packed layout. q/k/v and gate/up are fused as below.
 - `onednn` (CPU, float32 or bfloat16): every projection's weight is reordered
@@ -106,8 +106,8 @@ class PlainLinear(nn.Module):
 
 @functools.cache
 def numba_kernel() -> ModuleType | None:
-    """server/_matmul_numba.py compiled, or None where numba is missing or fails to compile."""
-    return load_kernel("_matmul_numba", "matrix products take another path")
+    """server/_forward_numba.py compiled, or None where numba is missing or fails to compile."""
+    return load_kernel("_forward_numba", "matrix products take another path")
 
 
 def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 import torch
@@ -131,8 +130,3 @@ def log_norms(
 def _token_hash_table(vocab_size: int) -> np.ndarray:
     """[V] uint32 noise.token_hash of every token id, hashed once per vocabulary size."""
     return noise.token_hash(np.arange(vocab_size, dtype=np.int64)).astype(np.uint32)
-
-
-# The bound's slack, in units of e (ln 2 of score): float32 rounding of a score is ~1e-5 of it.
-BOUND_SLACK = 1 / 64
-LN2 = math.log(2.0)

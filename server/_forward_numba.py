@@ -1,0 +1,557 @@
+"""The compiled forward's kernels (imported only where numba is installed): the matrix product behind
+server/matmul.py's `numba` path, the attention behind server/attention.py's, and the decoder layer behind
+server/layer_kernel.py, which calls the other two.
+
+They share one file because numba's disk cache (cache=True) watches only the file that defines a kernel:
+a kernel that called code from another file would keep running the old code after that file changed.
+Everything the kernels call, and every constant they read, is defined here; tests/test_kernels.py checks
+it. From the cache a process loads all three in a fraction of a second, where compiling them takes about
+twelve seconds on the 2-core EPYC of bench/results.
+
+The matrix product. y = x @ w.T for float32 x [M, K] and w [N, K], both row-major:
+the layout the checkpoint already has, so no packed copy is made. Each thread takes
+blocks of four weight rows and walks x two rows at a time, so a weight row is read
+from memory once per pair of x rows and then from cache. At M = 1-40 this reads the
+weights at the machine's memory speed, where oneDNN and MKL reach 50-85% of it
+(`specedge-bench engine`'s kernel table). Larger M are left to oneDNN, whose
+blocked GEMM reuses each weight over many more rows. From two row pairs on, the
+passes that read a block from cache would leave the memory idle, so each pass also
+prefetches its share of the next block's lines, one line every step or two:
+`_dot_4x2_prefetching`, written in LLVM IR because a prefetch inside a numba loop
+stops LLVM from vectorizing it. Prefetching a whole share at once, between passes,
+was slower (README.md's 8 x 1 paragraph).
+
+Attention. Every short row of a step (a decode token, a verify chain or tree)
+attends to its own KV slot in one call: one parallel task per (row, KV head),
+reading the slot in place. A task scores each visible key against the G query
+heads that share the KV head while the key is in cache, takes a softmax per query
+head, and sums the values the same way. On a CPU this replaces one
+scaled-dot-product call per row and layer (about 0.1 ms each, whatever the row's
+size) with a few microseconds of arithmetic. A query at new position t sees every
+cached key and its row's new keys j <= t: all of them in a chain, its ancestors in
+a tree (tree_masks). Keys past t are never read.
+
+The decoder layer. One call runs a whole layer over a step's packed tokens, in
+place on the residual stream x [N, hidden]: RMSNorm, the fused q/k/v product,
+Qwen3's per-head norms, RoPE, the KV writes, every row's attention, o_proj,
+RMSNorm, gate/up, SiLU, down_proj. The products and the attention are the kernels
+the module path calls one by one; what this adds is the glue between them, so the
+step returns to Python once a layer instead of after every product and every torch
+op. Each of those returns ran cold: a product streams tens of megabytes of weights
+through the caches, and the interpreter and torch's dispatcher then missed on their
+own code and data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from specedge.server._race_numba import set_threads  # noqa: F401 - the one thread setting for every kernel
+
+# Dot products and sums may be reassociated (vectorized); infinities and NaNs keep their IEEE meaning.
+_FAST = {"reassoc", "contract", "nsz"}
+NO_TREE = -1  # tree_offsets' value for a chain row
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+_V8 = ir.VectorType(_F32, 8)
+_I8P = ir.IntType(8).as_pointer()
+_TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
+_SILU_CHUNK = 2048  # columns per parallel task
+
+
+def warm_up() -> None:
+    """Compile the three kernels, or load them from numba's cache, and check a known answer from each."""
+    _warm_up_matmul()
+    _warm_up_attention()
+    _warm_up_layer()
+
+
+def _warm_up_matmul() -> None:
+    for rows, columns in ((3, 5), (4, 8)):  # the plain loops, and the prefetching tile
+        x, w = np.ones((rows, columns), np.float32), np.ones((6, columns), np.float32)
+        y = np.empty((rows, 6), np.float32)
+        matmul(x, w, y)
+        if not np.array_equal(y, np.full((rows, 6), columns, np.float32)):
+            raise RuntimeError(f"the compiled product is wrong: {y}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The matrix product
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul(x, w, y):
+    m_rows, k = x.shape
+    n = w.shape[0]
+    pairs = m_rows // 2
+    prefetching = pairs >= 2 and k >= 8 and k % 8 == 0  # the tile divides by k / 8
+    full_blocks = n // 4
+    share = (k // 4) // max(pairs, 1)  # a pass's share of a block's 4 k / 16 lines: at most k / 8, one a vector
+    for block in prange((n + 3) // 4):
+        o = block * 4
+        if o + 4 <= n:
+            ahead = min(block + 1, full_blocks - 1) * 4 * k  # the last block prefetches itself, harmlessly
+            for pair in range(pairs):
+                if prefetching:
+                    _dot_4x2_prefetching(x, 2 * pair, 2 * pair + 1, w, o, y, ahead + pair * share * 16, share)
+                else:
+                    dot_4x2(x, 2 * pair, 2 * pair + 1, w, o, 1, y, o)
+            if m_rows % 2:
+                dot_4x1(x, m_rows - 1, w, o, 1, y, o)
+        else:  # the last 1-3 weight rows
+            for j in range(o, n):
+                for m in range(m_rows):
+                    acc = _ZERO
+                    for i in range(k):
+                        acc += x[m, i] * w[j, i]
+                    y[m, j] = acc
+
+
+@intrinsic
+def _dot_4x2_prefetching(typingctx, x, m0, m1, w, o, y, ahead, lines):
+    """y[m0 and m1, o:o + 4] = rows m0, m1 of x [M, K] . rows o..o + 3 of w [N, K] (float32, C order, K a multiple
+    of 8), eight lanes a step, while prefetching `lines` (<= K / 8) 64-byte lines from w.ravel()[ahead:], evenly
+    spread over the steps. dot_4x2's loop, written in IR so that the prefetch does not stop it vectorizing."""
+    if any(array.layout != "C" for array in (x, w, y)):
+        return None  # the IR steps through rows by their length: a strided array fails to type, loudly
+
+    def codegen(context, builder, signature, args):
+        xs, ws, ys = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 3, 5))
+        m0, m1, o, ahead, lines = args[1], args[2], args[4], args[6], args[7]
+        k, n = builder.extract_value(xs.shape, 1), builder.extract_value(ys.shape, 1)
+        x_rows = [builder.gep(xs.data, [builder.mul(m, k)]) for m in (m0, m1)]
+        w_rows = [builder.gep(ws.data, [builder.mul(builder.add(o, _I64(j)), k)]) for j in range(4)]
+        prefetched = builder.gep(ws.data, [ahead])
+        steps = builder.lshr(k, _I64(3))
+        per_step = builder.sdiv(builder.shl(lines, _I64(16)), steps)  # lines a step, in 1/65536ths
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]), "llvm.prefetch.p0"
+        )
+        entry = builder.block
+        head, body, done = (builder.append_basic_block(name) for name in ("head", "body", "done"))
+        builder.branch(head)
+        builder.position_at_end(head)
+        step = builder.phi(_I64)
+        sums = [builder.phi(_V8) for _ in range(8)]  # row m0 against w rows o..o + 3, then row m1
+        builder.cbranch(builder.icmp_signed("<", step, steps), body, done)
+
+        builder.position_at_end(body)
+        first = builder.shl(step, _I64(3))
+
+        def load(row):
+            return builder.load(builder.bitcast(builder.gep(row, [first]), _V8.as_pointer()), align=4)
+
+        u, v = (load(row) for row in x_rows)
+        p = [load(row) for row in w_rows]
+        new = [builder.call(fma, [a, b, total]) for a, b, total in zip([u] * 4 + [v] * 4, p + p, sums)]
+        line = builder.ashr(builder.mul(step, per_step), _I64(16))
+        address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, _I64(4))]), _I8P)
+        builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
+        next_step = builder.add(step, _I64(1))
+        builder.branch(head)
+        step.add_incoming(_I64(0), entry)
+        step.add_incoming(next_step, body)
+        for total, updated in zip(sums, new):
+            total.add_incoming(ir.Constant(_V8, [0.0] * 8), entry)
+            total.add_incoming(updated, body)
+
+        builder.position_at_end(done)
+        for index, total in enumerate(sums):
+            m, j = (m0, m1)[index // 4], index % 4
+            out = builder.gep(ys.data, [builder.add(builder.mul(m, n), builder.add(o, _I64(j)))])
+            builder.store(_horizontal_sum(builder, total), out)
+        return context.get_dummy_value()
+
+    return types.none(x, m0, m1, w, o, y, ahead, lines), codegen
+
+
+def _horizontal_sum(builder, vector):
+    """The eight lanes' sum: halves added, then quarters, then the last two."""
+    for width in (4, 2, 1):
+        low = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+        high = builder.shuffle_vector(
+            vector, vector, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width)))
+        )
+        vector = builder.fadd(low, high)
+    return builder.extract_element(vector, _I32(0))
+
+
+@njit(inline="always", fastmath=True)
+def dot_4x2(x, m0, m1, w, o, step, out, column):
+    """Rows m0 and m1 of x [M, K] against rows o, o + step, o + 2 step, o + 3 step of w [N, K], into
+    out[m0 and m1, column:column + 4]: eight dot products, kept in registers (numba keeps scalars there,
+    not arrays), each w row read once for both."""
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _ZERO
+    for i in range(x.shape[1]):
+        u, v = x[m0, i], x[m1, i]
+        p0, p1, p2, p3 = w[o, i], w[o + step, i], w[o + 2 * step, i], w[o + 3 * step, i]
+        a0 += u * p0
+        a1 += u * p1
+        a2 += u * p2
+        a3 += u * p3
+        b0 += v * p0
+        b1 += v * p1
+        b2 += v * p2
+        b3 += v * p3
+    out[m0, column], out[m0, column + 1], out[m0, column + 2], out[m0, column + 3] = a0, a1, a2, a3
+    out[m1, column], out[m1, column + 1], out[m1, column + 2], out[m1, column + 3] = b0, b1, b2, b3
+
+
+@njit(inline="always", fastmath=True)
+def dot_4x1(x, m, w, o, step, out, column):
+    """Row m of x against four rows of w, into out[m, column:column + 4], as dot_4x2."""
+    a0 = a1 = a2 = a3 = _ZERO
+    for i in range(x.shape[1]):
+        u = x[m, i]
+        a0 += u * w[o, i]
+        a1 += u * w[o + step, i]
+        a2 += u * w[o + 2 * step, i]
+        a3 += u * w[o + 3 * step, i]
+    out[m, column], out[m, column + 1], out[m, column + 2], out[m, column + 3] = a0, a1, a2, a3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention
+
+
+def _warm_up_attention() -> None:
+    q = np.zeros((2, 2, 4), np.float32)  # two tokens of a chain, two heads sharing one KV head
+    keys = np.zeros((1, 4, 1, 4), np.float32)
+    values = np.arange(16, dtype=np.float32).reshape(1, 4, 1, 4)
+    out = np.empty_like(q)
+    one = np.ones(1, np.int64)
+    attend(
+        q, keys, values, np.zeros(1, np.int64), 2 * one, np.zeros(1, np.int64), 2 * one, -one, np.ones(0, np.bool_), out
+    )
+    # Equal scores: token 0 averages keys 0-2, token 1 keys 0-3.
+    expected = np.stack([values[0, :3, 0].mean(0), values[0, :4, 0].mean(0)])[:, None].repeat(2, 1)
+    if not np.allclose(out, expected):
+        raise RuntimeError(f"the compiled attention is wrong: {out}")
+
+
+@njit(parallel=True, fastmath=_FAST, cache=True)
+def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, out):
+    """out[starts[r] + t, h] = softmax(q . keys / sqrt(D)) . values over the keys row r's token t sees.
+
+    q, out [N, H, D]; k_cache, v_cache [num_slots, max_len, KVH, D] (C-contiguous); per row r: starts,
+    num_new, slots, num_cached, tree_offsets (NO_TREE, or where its [num_new, num_new] ancestor mask
+    begins in tree_masks).
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    for task in prange(slots.shape[0] * num_kv_heads):
+        r, kv_head = task // num_kv_heads, task % num_kv_heads
+        slot, cached, new, tree = slots[r], num_cached[r], num_new[r], tree_offsets[r]
+        num_queries, num_keys = new * group, cached + new
+        # The row's queries for this KV head, scaled: query i is token i // G, head kv_head * G + i % G.
+        queries = np.empty((num_queries, head_dim), np.float32)
+        for i in range(num_queries):
+            for d in range(head_dim):
+                queries[i, d] = q[starts[r] + i // group, kv_head * group + i % group, d] * scale
+        scores = np.empty((num_queries, num_keys), np.float32)
+        powers = np.empty(num_keys, np.int32)
+        _scores(queries, k_cache, slot, kv_head, num_keys, scores)
+        for i in range(num_queries):
+            t = i // group
+            seen = cached + t + 1  # a chain's and a tree's keys both end at the query's own
+            for key in range(seen, num_keys):
+                scores[i, key] = 0.0
+            if tree != NO_TREE:
+                for j in range(t + 1):
+                    if not tree_masks[tree + t * new + j]:
+                        scores[i, cached + j] = -np.inf
+            top = -np.inf
+            for key in range(seen):
+                top = max(top, scores[i, key])
+            _exp_minus(scores[i], seen, top, powers)
+            if tree != NO_TREE:  # exactly nothing from the keys the tree hides
+                for j in range(t + 1):
+                    if not tree_masks[tree + t * new + j]:
+                        scores[i, cached + j] = 0.0
+            total = np.float32(0.0)
+            for key in range(seen):
+                total += scores[i, key]
+            inverse = np.float32(1.0) / total
+            for key in range(seen):
+                scores[i, key] *= inverse
+        sums = np.zeros((num_queries, head_dim), np.float32)
+        _weighted_values(scores, v_cache, slot, kv_head, num_keys, sums)
+        for i in range(num_queries):
+            for d in range(head_dim):
+                out[starts[r] + i // group, kv_head * group + i % group, d] = sums[i, d]
+
+
+# Cephes' expf: exp(x) = 2**n * e**r, n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e**r by a
+# degree-6 polynomial; within 2 ulp in float32. Written out, without branches, so that a loop of it vectorizes:
+# numba's math.exp is a scalar libm call per value. (server/_race_numba.py keeps its own copy: numba's cache
+# watches one file.)
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_EXP_FLOOR = np.float32(-87.0)  # e**-87 is a normal float32; below it a weight is as good as zero
+
+
+@intrinsic
+def _float32_from_bits(typingctx, bits):
+    """The float32 whose bits are the int32 `bits` (a register move, so loops around it vectorize)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@njit(inline="always")
+def _exp_parts(x):
+    """(e**r, n) with e**x = e**r * 2**n, for x in [_EXP_FLOOR, 0]."""
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HIGH - n * _LN2_LOW
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    return p * (r * r) + r + _ONE, (np.int32(n) + np.int32(127)) << np.int32(23)
+
+
+@njit(inline="always")
+def _exp(x):
+    """float32 e**x for x in [_EXP_FLOOR, 0]."""
+    mantissa, power = _exp_parts(x)
+    return mantissa * _float32_from_bits(np.int32(power))
+
+
+@njit(fastmath=_FAST)
+def _exp_minus(row, count, top, powers):
+    """row[:count] = exp(row[:count] - top) for values <= top (-inf gives e**-87, not 0); powers: scratch [count].
+    Two passes: one loop that also scales by 2**n ran 5-15% slower in the attention kernel."""
+    for k in range(count):
+        row[k], powers[k] = _exp_parts(max(row[k] - top, _EXP_FLOOR))
+    scale = powers[:count].view(np.float32)
+    for k in range(count):
+        row[k] *= scale[k]
+
+
+@njit(fastmath=_FAST)
+def _scores(queries, k_cache, slot, kv_head, num_keys, scores):
+    """scores[i, key] = queries[i] . k_cache[slot, key, kv_head]: two queries by four keys at a time (the
+    matrix kernel's blocking), so each key is read from memory once and each pair of queries from cache."""
+    num_queries = queries.shape[0]
+    max_len, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[slot].reshape(max_len * num_kv_heads, head_dim)  # key k of this head: row k * KVH + kv_head
+    key = 0
+    while key + 4 <= num_keys:
+        row = key * num_kv_heads + kv_head
+        i = 0
+        while i + 1 < num_queries:
+            dot_4x2(queries, i, i + 1, keys, row, num_kv_heads, scores, key)
+            i += 2
+        if i < num_queries:
+            dot_4x1(queries, i, keys, row, num_kv_heads, scores, key)
+        key += 4
+    for k in range(key, num_keys):  # the last 1-3 keys
+        for i in range(num_queries):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += queries[i, d] * keys[k * num_kv_heads + kv_head, d]
+            scores[i, k] = dot
+
+
+@njit(fastmath=_FAST)
+def _weighted_values(weights, v_cache, slot, kv_head, num_keys, sums):
+    """sums[i] += sum over keys of weights[i, key] * v_cache[slot, key, kv_head], four keys at a time."""
+    num_queries, head_dim = sums.shape
+    key = 0
+    while key + 4 <= num_keys:
+        for i in range(num_queries):
+            w0, w1, w2, w3 = weights[i, key], weights[i, key + 1], weights[i, key + 2], weights[i, key + 3]
+            for d in range(head_dim):
+                sums[i, d] += (
+                    w0 * v_cache[slot, key, kv_head, d]
+                    + w1 * v_cache[slot, key + 1, kv_head, d]
+                    + w2 * v_cache[slot, key + 2, kv_head, d]
+                    + w3 * v_cache[slot, key + 3, kv_head, d]
+                )
+        key += 4
+    for k in range(key, num_keys):
+        for i in range(num_queries):
+            weight = weights[i, k]
+            for d in range(head_dim):
+                sums[i, d] += weight * v_cache[slot, k, kv_head, d]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The decoder layer
+
+
+def _warm_up_layer() -> None:
+    num, hidden, heads, head_dim, inner = 2, 8, 2, 4, 6
+    x = np.arange(num * hidden, dtype=np.float32).reshape(num, hidden)
+    zeros = np.zeros  # with zero weights the layer adds nothing, and each value is its bias
+    caches = zeros((1, 4, 1, head_dim), np.float32), zeros((1, 4, 1, head_dim), np.float32)
+    positions = np.arange(num, dtype=np.int64)
+    rows = np.zeros(1, np.int64), np.full(1, num, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
+    before = x.copy()
+    decoder_layer(
+        x,
+        np.float32(1e-6),
+        np.ones(hidden, np.float32),
+        zeros(((heads + 2) * head_dim, hidden), np.float32),
+        np.ones((heads + 2) * head_dim, np.float32),
+        zeros(0, np.float32),
+        zeros(0, np.float32),
+        zeros((hidden, heads * head_dim), np.float32),
+        np.ones(hidden, np.float32),
+        zeros((2 * inner, hidden), np.float32),
+        zeros((hidden, inner), np.float32),
+        np.ones((num, head_dim), np.float32),
+        zeros((num, head_dim), np.float32),
+        *caches,
+        zeros(num, np.int64),
+        positions,
+        *rows,
+        np.full(1, -1, np.int64),
+        zeros(0, np.bool_),
+        heads,
+    )
+    if not np.array_equal(x, before) or not np.array_equal(caches[1][0, :num], np.ones((num, 1, head_dim))):
+        raise RuntimeError(f"the compiled layer is wrong: {x}, {caches[1]}")
+
+
+@njit(fastmath=_FAST)
+def _rms_norm(x, weight, eps, out):
+    """out = weight * x / sqrt(mean(x ** 2) + eps), for one vector x [D]."""
+    total = np.float32(0.0)
+    for j in range(x.shape[0]):
+        total += x[j] * x[j]
+    scale = _ONE / np.sqrt(total / np.float32(x.shape[0]) + eps)
+    for j in range(x.shape[0]):
+        out[j] = weight[j] * (x[j] * scale)
+
+
+@njit(fastmath=_FAST)
+def _rms_norm_rows(x, weight, eps, out):
+    for t in range(x.shape[0]):
+        _rms_norm(x[t], weight, eps, out[t])
+
+
+@njit(fastmath=_FAST)
+def _rope_head(head, cos, sin, out):
+    """RoPE on one head's [D] vector: head * cos + rotate_half(head) * sin (transformers' layout)."""
+    half = head.shape[0] // 2
+    for d in range(half):
+        out[d] = head[d] * cos[d] - head[d + half] * sin[d]
+        out[d + half] = head[d + half] * cos[d + half] + head[d] * sin[d + half]
+
+
+@njit(fastmath=_FAST)
+def _positions(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, kv_slots, kv_positions, q):
+    """Split qkv [N, (H + 2 KVH) D] into q [N, H, D] (normed per head where q_norm is given, rotated) and
+    each token's key (likewise) and value, written to its KV slot and position."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    normed = np.empty(head_dim, np.float32)
+    for t in range(qkv.shape[0]):
+        slot, position = kv_slots[t], kv_positions[t]
+        for head in range(num_heads + num_kv_heads):
+            vector = qkv[t, head * head_dim : (head + 1) * head_dim]
+            weights = q_norm if head < num_heads else k_norm
+            out = q[t, head] if head < num_heads else k_cache[slot, position, head - num_heads]
+            if weights.shape[0]:
+                _rms_norm(vector, weights, eps, normed)
+                _rope_head(normed, cos[t], sin[t], out)
+            else:
+                _rope_head(vector, cos[t], sin[t], out)
+        values = (num_heads + num_kv_heads) * head_dim
+        for head in range(num_kv_heads):
+            for d in range(head_dim):
+                v_cache[slot, position, head, d] = qkv[t, values + head * head_dim + d]
+
+
+@njit(parallel=True, fastmath=_FAST)
+def _silu_mul(gate_up, out):
+    """out = silu(gate) * up for gate_up [N, 2 I] = [gate | up], vectorized (libm's exp is a call per value)."""
+    num, inner = out.shape
+    chunks = (inner + _SILU_CHUNK - 1) // _SILU_CHUNK
+    for task in prange(num * chunks):
+        t, start = task // chunks, (task % chunks) * _SILU_CHUNK
+        for j in range(start, min(start + _SILU_CHUNK, inner)):
+            gate = gate_up[t, j]
+            small = _exp(max(-abs(gate), _EXP_FLOOR))  # e**-|gate|: sigmoid(gate) is 1 / (1 + it), or it / (1 + it)
+            sigmoid = (_ONE if gate >= 0 else small) / (_ONE + small)
+            out[t, j] = gate * sigmoid * gate_up[t, inner + j]
+
+
+@njit(fastmath=_FAST)
+def _add(x, y):
+    for t in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            x[t, j] += y[t, j]
+
+
+@njit(fastmath=_FAST, cache=True)
+def decoder_layer(
+    x,
+    eps,
+    input_norm,
+    qkv_weight,
+    qkv_bias,
+    q_norm,
+    k_norm,
+    o_weight,
+    post_norm,
+    gate_up_weight,
+    down_weight,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    kv_slots,
+    kv_positions,
+    starts,
+    num_new,
+    slots,
+    num_cached,
+    tree_offsets,
+    tree_masks,
+    num_heads,
+):
+    """One layer over x [N, hidden] in place (x += attention(norm(x)); x += mlp(norm(x))).
+
+    Weights as server/matmul.py's PlainLinear holds them ([out, in], q/k/v and gate/up fused); qkv_bias,
+    q_norm and k_norm may be empty (none). cos, sin [N, D]; the caches and the rows' arrays as
+    attend takes them, every row of the step among them.
+    """
+    num, hidden = x.shape
+    head_dim = k_cache.shape[3]
+    normed = np.empty_like(x)
+    _rms_norm_rows(x, input_norm, eps, normed)
+    qkv = np.empty((num, qkv_weight.shape[0]), np.float32)
+    matmul(normed, qkv_weight, qkv)
+    if qkv_bias.shape[0]:
+        for t in range(num):
+            for j in range(qkv.shape[1]):
+                qkv[t, j] += qkv_bias[j]
+    q = np.empty((num, num_heads, head_dim), np.float32)
+    _positions(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, kv_slots, kv_positions, q)
+    attended = np.empty_like(q)
+    attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, attended)
+    projected = np.empty_like(x)
+    matmul(attended.reshape((num, num_heads * head_dim)), o_weight, projected)
+    _add(x, projected)
+    _rms_norm_rows(x, post_norm, eps, normed)
+    gate_up = np.empty((num, gate_up_weight.shape[0]), np.float32)
+    matmul(normed, gate_up_weight, gate_up)
+    activated = np.empty((num, down_weight.shape[1]), np.float32)
+    _silu_mul(gate_up, activated)
+    matmul(activated, down_weight, projected)
+    _add(x, projected)

@@ -1,0 +1,103 @@
+"""numba's disk cache may only keep what it can tell is current.
+
+numba caches a compiled kernel on disk and reuses it while the file that defines the kernel is unchanged: it
+never looks at other files. A kernel that called a function or read a constant from another file would keep
+the old code or value after that file changed. So every compiled file (server/_*_numba.py) must be
+self-contained, and a second process must load the forward's kernels from the cache instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from specedge import noise
+from specedge.server import race_kernel
+
+pytest.importorskip("numba")
+
+SERVER = pathlib.Path(race_kernel.__file__).parent
+KERNEL_FILES = sorted(SERVER.glob("_*_numba.py"))
+COMPILED = {"njit", "intrinsic"}  # the decorators whose functions numba compiles into a cached kernel
+
+
+def _imported_from_specedge(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specedge"):
+            names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names if "specedge" in alias.name)
+    return names
+
+
+def _compiled(node: ast.stmt) -> bool:
+    if not isinstance(node, ast.FunctionDef):
+        return False
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if isinstance(target, ast.Name) and target.id in COMPILED:
+            return True
+    return False
+
+
+def _names_read(node: ast.AST) -> set[str]:
+    return {name.id for name in ast.walk(node) if isinstance(name, ast.Name)}
+
+
+def _cross_file_reads(source: str) -> list[str]:
+    """Where compiled code, or a module-level value it may read, uses a name imported from another specedge file."""
+    tree = ast.parse(source)
+    foreign = _imported_from_specedge(tree)
+    found = []
+    for node in tree.body:
+        if _compiled(node) or isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for name in sorted(_names_read(node) & foreign):
+                found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+def test_there_are_compiled_files_to_check():
+    assert {path.name for path in KERNEL_FILES} >= {"_forward_numba.py", "_race_numba.py"}
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda path: path.name)
+def test_compiled_code_reads_nothing_from_another_file(path):
+    assert _cross_file_reads(path.read_text()) == []
+
+
+def test_the_check_finds_a_kernel_that_calls_into_another_file():
+    """What the forward's kernels looked like before they shared a file, and the race's constants before."""
+    calls = "from specedge.server._matmul_numba import matmul\n\n@njit\ndef layer(x, w, y):\n    matmul(x, w, y)\n"
+    constant = "from specedge import noise\n_MIX = np.uint32(noise.MIX_MULTIPLIER)\n"
+    plain = "from specedge import noise\n\ndef warm_up():\n    return noise.token_hash(1)\n"  # not compiled
+    assert _cross_file_reads(calls) == ["line 4: matmul"]
+    assert _cross_file_reads(constant) == ["line 2: noise"]
+    assert _cross_file_reads(plain) == []
+
+
+def test_the_race_kernels_written_out_constants_match_their_sources():
+    kernel = race_kernel.kernel()
+    assert kernel is not None
+    assert int(kernel._MIX) == noise.MIX_MULTIPLIER
+    assert kernel._UNIFORM_BITS == noise.UNIFORM_BITS
+    assert kernel.NO_TOKEN == race_kernel.NO_TOKEN
+
+
+def test_a_second_process_loads_the_forward_kernels_from_the_cache():
+    """The first process may compile (after a change to the file); the second must find all three on disk."""
+    code = (
+        "from specedge.server import _forward_numba as k\n"
+        "k.warm_up()\n"
+        "for f in (k.matmul, k.attend, k.decoder_layer):\n"
+        "    print(f.__name__, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()))\n"
+    )
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    counts = {name: (int(hits), int(misses)) for name, hits, misses in map(str.split, run.stdout.splitlines())}
+    assert set(counts) == {"matmul", "attend", "decoder_layer"}, run.stdout
+    assert all(hits >= 1 and misses == 0 for hits, misses in counts.values()), (counts, run.stderr)
