@@ -63,6 +63,7 @@ HOST_TOKENS_PER_ROW = 5  # a verify round: the pending token and 4 drafts
 HOST_TEMPERATURE = 0.8
 HOST_PEAKED_SCALE = 20.0  # the host draws' peaked case: the sample's logits times this
 DRAFT_TOP = 20  # tokens in each draft distribution q sent with a sampled round
+STREAM_COLUMNS = 1536  # the stream limit's table is [rows, this]: the numba reader's product is a weight's shape
 _STEP_NAME = re.compile(r"(?:(\d+)x(\d+))?(?:\+?p(\d+))?")
 
 
@@ -224,13 +225,8 @@ def _memory() -> dict:
 def stream_bandwidth(gb: float, repeats: int) -> dict:
     """GB/s of reading a float32 tensor far larger than any cache, every core its share: the faster of torch's sum
     and, where numba compiles, the numba kernel's one-row product over it (which reads each byte once)."""
-    data = torch.ones(int(gb * 1e9) // 4)
-    readers: dict[str, Callable[[], object]] = {"torch sum": data.sum}
-    if numba_unavailable(torch.device("cpu"), torch.float32) is None:
-        columns = 1536
-        rows = PlainLinear(data[: data.numel() // columns * columns].view(-1, columns), None)
-        x = torch.ones(1, columns)
-        readers["numba product, M=1"] = functools.partial(rows, x)
+    data = torch.ones(int(gb * 1e9) // (4 * STREAM_COLUMNS), STREAM_COLUMNS)
+    readers = _stream_readers(data)
     measured: dict[str, dict] = {}
     for name, read in readers.items():
         times = _times_ms(read, repeats)
@@ -238,6 +234,15 @@ def stream_bandwidth(gb: float, repeats: int) -> dict:
         measured[name] = {"times_ms": times, "gb_s_median": statistics.median(rates), "gb_s_best": max(rates)}
     best = max(measured, key=lambda name: float(measured[name]["gb_s_median"]))
     return {"bytes": data.nbytes, "by": best, **measured[best], "readers": measured}
+
+
+def _stream_readers(table: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Reads of every byte of a [rows, columns] table: torch's sum, and where numba takes its dtype, the kernel's
+    one-row product over it (which reads each byte once)."""
+    readers: dict[str, Callable[[], object]] = {"torch sum": table.sum}
+    if numba_unavailable(torch.device("cpu"), table.dtype) is None:
+        readers["numba product, M=1"] = functools.partial(PlainLinear(table, None), torch.ones(1, table.shape[1]))
+    return readers
 
 
 def gemm_rates(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
@@ -316,9 +321,19 @@ def _token_ids(vocab_size: int, count: int) -> list[int]:
 
 
 def time_path(
-    resolved: ResolvedModel, path: str, config: EngineBenchConfig, steps: list[Step], progress: Callable[[str], None]
+    resolved: ResolvedModel,
+    path: str,
+    config: EngineBenchConfig,
+    steps: list[Step],
+    stream_reader: str,
+    progress: Callable[[str], None],
 ) -> tuple[dict, torch.Tensor, ModelArgs]:
-    """Load the target on one matmul path and time every step; also the largest step's logits, and the shape."""
+    """Load the target on one matmul path and time every step; also the largest step's logits, and the shape.
+
+    Each step's forwards are taken in turn with a read of the embedding table (plain on every path, and far
+    larger than any cache) by the reader that set the run's stream limit: the stream at the moment the forwards
+    ran, for a roofline that the hour's drift moves with them.
+    """
     dtype, cpu = DTYPES[config.dtype], torch.device("cpu")
     start = time.perf_counter()
     target = load_target(resolved, device=cpu, dtype=dtype, matmul=path)
@@ -339,29 +354,32 @@ def time_path(
     # Where attention is compiled, the row loop as its baseline; where layers are compiled, the same forwards
     # layer by layer through the modules (with the compiled attention): all taken in turn.
     baselines = {"rows": ("rows", None), **({"modules": (attention, None)} if layers is not None else {})}
+    settings = {"default": (attention, layers), **(baselines if attention != "rows" else {})}
+    table = model.model.embed_tokens.weight.detach()
+    read_stream = _stream_readers(table).get(stream_reader, table.sum)
+
+    def on(setting: tuple, forward: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            model.attention, model.compiled_layers = setting  # fields set: nothing worth timing
+            return forward()
+
+        return call
+
     for step in steps:
         forward = functools.partial(runner.forward_packed, step.requests(config.prefix, token_ids))
-        if attention == "rows":
-            times = _times_ms(forward, config.repeats)
-            results[step.name] = {"ms": statistics.median(times), "times_ms": times}
-        else:
-
-            def on(setting: tuple, forward: Callable[[], object] = forward) -> Callable[[], object]:
-                def call() -> object:
-                    model.attention, model.compiled_layers = setting  # fields set: nothing worth timing
-                    return forward()
-
-                return call
-
-            try:
-                calls = {name: on(setting) for name, setting in {"default": (attention, layers), **baselines}.items()}
-                timed = _in_turn_ms(calls, config.repeats)
-            finally:
-                model.attention, model.compiled_layers = attention, layers
-            results[step.name] = {"ms": statistics.median(timed["default"]), "times_ms": timed["default"]}
-            for name in baselines:
-                key = "rows_attention" if name == "rows" else name
-                results[step.name] |= {f"{key}_ms": statistics.median(timed[name]), f"{key}_times_ms": timed[name]}
+        try:
+            calls = {name: on(setting, forward) for name, setting in settings.items()}
+            timed = _in_turn_ms({**calls, "stream": read_stream}, config.repeats)
+        finally:
+            model.attention, model.compiled_layers = attention, layers
+        results[step.name] = {
+            "ms": statistics.median(timed["default"]),
+            "times_ms": timed["default"],
+            "stream_gb_s": table.nbytes / (statistics.median(timed["stream"]) * 1e6),
+        }
+        for name in settings.keys() - {"default"}:
+            key = "rows_attention" if name == "rows" else name
+            results[step.name] |= {f"{key}_ms": statistics.median(timed[name]), f"{key}_times_ms": timed[name]}
         progress(f"{path} {step.name}: {results[step.name]['ms']:.1f} ms")
     largest = max(steps, key=lambda step: step.num_logits)
     sample = runner.forward_packed(largest.requests(config.prefix, token_ids))  # [num_logits, vocab]
@@ -471,7 +489,7 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     sample: torch.Tensor | None = None
     args: ModelArgs | None = None
     for path in config.matmul:
-        paths[path], logits, args = time_path(resolved, path, config, steps, say)
+        paths[path], logits, args = time_path(resolved, path, config, steps, limits["stream"]["by"], say)
         sample = logits if sample is None else sample
         del logits
         gc.collect()  # the previous path's weights go before the next path loads its own
@@ -497,6 +515,10 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
         }
         for step in steps
     }
+    for figures in paths.values():
+        for step in steps:
+            timed = figures["steps"][step.name]
+            timed["roofline_in_turn_ms"] = cost.roofline_s(step, config.prefix, timed["stream_gb_s"], peak) * 1e3
     model = {**dataclasses.asdict(cost), "weight_bytes": cost.weight_bytes, "args": dataclasses.asdict(args)}
     return {
         "meta": meta,
@@ -648,6 +670,32 @@ def _attention_kernel_lines(kernels: dict | None) -> list[str]:
     return lines
 
 
+def _in_turn_lines(results: dict, timed: list[str]) -> list[str]:
+    """Each path's forwards against the roofline of the stream read in turn with them."""
+    paths, stream = results["paths"], results["limits"]["stream"]
+    table_gb = results["model"]["args"]["vocab_size"] * results["model"]["args"]["hidden_size"]
+    table_gb *= results["model"]["bytes_per_param"] / 1e9
+    lines = [
+        "",
+        "## Forwards against the stream read in turn with them",
+        "",
+        f"The limits above are read once, before any forward, and the hour may move them. Here each step's forwards "
+        f"were taken in turn with a read of the embedding table ({table_gb:.2f} GB) by {stream['by']}; the roofline "
+        "takes that stream (median) and the GEMM peak above.",
+        "",
+        "| step | " + " | ".join(f"{p} ms | stream GB/s | roofline ms | {p}/roofline" for p in timed) + " |",
+        "|---" * (1 + 4 * len(timed)) + "|",
+    ]
+    for name in results["roofline"]:
+        cells = []
+        for p in timed:
+            step = paths[p]["steps"][name]
+            roof = step["roofline_in_turn_ms"]
+            cells.append(f"{_ms(step['ms'])} | {step['stream_gb_s']:.1f} | {roof:.1f} | {_x(step['ms'] / roof)}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _attention_lines(roofline: dict, paths: dict, timed: list[str]) -> list[str]:
     """The compiled attention against the row loop, each path's forwards taken in turn on both."""
     compared = [p for p in timed if paths[p].get("attention", "rows") != "rows"]
@@ -760,6 +808,7 @@ def engine_markdown(results: dict) -> str:
             + " | ".join(_x(ms[p] / roof["ms"]) for p in timed)
             + (f" | {_x(ms['eager'] / fastest)} |" if fastest else " |")
         )
+    lines += _in_turn_lines(results, timed)
     lines += _attention_lines(results["roofline"], paths, timed)
     lines += _layers_lines(results["roofline"], paths, timed)
     lines += _attention_kernel_lines(limits.get("attention"))
