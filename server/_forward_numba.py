@@ -311,7 +311,7 @@ def _float32_from_bits(typingctx, bits):
 
 @njit(inline="always")
 def _exp_parts(x):
-    """(e**r, n) with e**x = e**r * 2**n, for x in [_EXP_FLOOR, 0]."""
+    """(e**r, the int32 bits of the float32 2**n) with e**x = e**r * 2**n, for x in [_EXP_FLOOR, 0]."""
     n = np.floor(x * _LOG2E + np.float32(0.5))
     r = x - n * _LN2_HIGH - n * _LN2_LOW
     p = np.float32(1.9875691500e-4)
