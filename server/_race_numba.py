@@ -203,7 +203,7 @@ _LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)
 def _exp(x):
     """float32 e**x for x in [-80, 0], within 1e-7 of it: Cephes' expf without branches, so that
     a loop of it vectorizes (libm's exp is a call per token)."""
-    k = np.float32(math.floor(x * _LOG2E + np.float32(0.5)))
+    k = np.floor(x * _LOG2E + np.float32(0.5))
     r = x - k * _LN2_HIGH - k * _LN2_LOW
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
