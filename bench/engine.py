@@ -248,12 +248,7 @@ def _stream_readers(table: torch.Tensor) -> dict[str, Callable[[], object]]:
 def gemm_rates(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
     """GFLOP/s of y = x W^T on [out, in] W for each M, eager and (where they run) the oneDNN and numba paths;
     medians."""
-    weight = torch.randn(out_features, in_features).to(dtype)
-    paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"eager": lambda x: F.linear(x, weight)}
-    if onednn_unavailable(torch.device("cpu"), dtype) is None:
-        paths["onednn"] = PackedLinear(weight, None)
-    if numba_unavailable(torch.device("cpu"), dtype) is None:
-        paths["numba"] = PlainLinear(weight, None)  # past NUMBA_MAX_ROWS: oneDNN's GEMM on the plain weight
+    paths = _products(torch.randn(out_features, in_features).to(dtype))
     rows: list[dict] = []
     with torch.inference_mode():
         for m in ms:
@@ -262,7 +257,31 @@ def gemm_rates(out_features: int, in_features: int, ms: tuple[int, ...], dtype: 
                 times = _times_ms(functools.partial(linear, x), repeats)
                 gflop_s = 2 * m * out_features * in_features / (statistics.median(times) * 1e6)
                 rows.append({"path": path, "m": m, "times_ms": times, "gflop_s": gflop_s})
-    return {"shape": [out_features, in_features], "rows": rows, "peak_gflop_s": max(r["gflop_s"] for r in rows)}
+    peak = max(rows, key=lambda row: float(row["gflop_s"]))
+    return {
+        "shape": [out_features, in_features],
+        "rows": rows,
+        "peak_gflop_s": peak["gflop_s"],
+        "peak": {"path": peak["path"], "m": peak["m"]},
+    }
+
+
+def _products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """y = x W^T on the eager path and, where they run, the oneDNN and numba paths."""
+    paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"eager": lambda x: F.linear(x, weight)}
+    if onednn_unavailable(torch.device("cpu"), weight.dtype) is None:
+        paths["onednn"] = PackedLinear(weight, None)
+    if numba_unavailable(torch.device("cpu"), weight.dtype) is None:
+        paths["numba"] = PlainLinear(weight, None)  # past NUMBA_MAX_ROWS: oneDNN's GEMM on the plain weight
+    return paths
+
+
+def _peak_product(gemm: dict, dtype: torch.dtype) -> tuple[Callable[[], object], float]:
+    """The product that set the run's GEMM peak, on a weight of its own, and its FLOPs."""
+    out_features, in_features = gemm["shape"]
+    m = gemm["peak"]["m"]
+    product = _products(torch.randn(out_features, in_features).to(dtype))[gemm["peak"]["path"]]
+    return functools.partial(product, torch.randn(m, in_features).to(dtype)), 2.0 * m * out_features * in_features
 
 
 def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
@@ -325,13 +344,15 @@ def time_path(
     path: str,
     config: EngineBenchConfig,
     steps: list[Step],
+    peak_product: tuple[Callable[[], object], float],
     progress: Callable[[str], None],
 ) -> tuple[dict, torch.Tensor, ModelArgs]:
     """Load the target on one matmul path and time every step; also the largest step's logits, and the shape.
 
     Each step's forwards are taken in turn with reads of the embedding table (plain on every path, and far
-    larger than any cache) by each stream reader, the faster median counting: the stream at the moment the
-    forwards ran, for a roofline that the hour's drift moves with them.
+    larger than any cache) by each stream reader, the faster median counting, and with the product that set the
+    run's GEMM peak: the stream and the compute rate at the moment the forwards ran, for a roofline that the
+    hour's drift moves with them.
     """
     dtype, cpu = DTYPES[config.dtype], torch.device("cpu")
     start = time.perf_counter()
@@ -368,13 +389,14 @@ def time_path(
         forward = functools.partial(runner.forward_packed, step.requests(config.prefix, token_ids))
         try:
             calls = {name: on(setting, forward) for name, setting in settings.items()}
-            timed = _in_turn_ms({**calls, **readers}, config.repeats)
+            timed = _in_turn_ms({**calls, **readers, "gemm": peak_product[0]}, config.repeats)
         finally:
             model.attention, model.compiled_layers = attention, layers
         results[step.name] = {
             "ms": statistics.median(timed["default"]),
             "times_ms": timed["default"],
             "stream_gb_s": max(table.nbytes / (statistics.median(timed[name]) * 1e6) for name in readers),
+            "gemm_gflop_s": peak_product[1] / (statistics.median(timed["gemm"]) * 1e6),
         }
         for name in settings.keys() - {"default"}:
             key = "rows_attention" if name == "rows" else name
@@ -487,8 +509,9 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     paths: dict[str, dict] = {}
     sample: torch.Tensor | None = None
     args: ModelArgs | None = None
+    peak_product = _peak_product(limits["gemm"], DTYPES[config.dtype])
     for path in config.matmul:
-        paths[path], logits, args = time_path(resolved, path, config, steps, say)
+        paths[path], logits, args = time_path(resolved, path, config, steps, peak_product, say)
         sample = logits if sample is None else sample
         del logits
         gc.collect()  # the previous path's weights go before the next path loads its own
@@ -517,7 +540,8 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     for figures in paths.values():
         for step in steps:
             timed = figures["steps"][step.name]
-            timed["roofline_in_turn_ms"] = cost.roofline_s(step, config.prefix, timed["stream_gb_s"], peak) * 1e3
+            rates = (timed["stream_gb_s"], timed["gemm_gflop_s"])
+            timed["roofline_in_turn_ms"] = cost.roofline_s(step, config.prefix, *rates) * 1e3
     model = {**dataclasses.asdict(cost), "weight_bytes": cost.weight_bytes, "args": dataclasses.asdict(args)}
     return {
         "meta": meta,
@@ -670,27 +694,32 @@ def _attention_kernel_lines(kernels: dict | None) -> list[str]:
 
 
 def _in_turn_lines(results: dict, timed: list[str]) -> list[str]:
-    """Each path's forwards against the roofline of the stream read in turn with them."""
-    paths, stream = results["paths"], results["limits"]["stream"]
-    table_gb = results["model"]["args"]["vocab_size"] * results["model"]["args"]["hidden_size"]
-    table_gb *= results["model"]["bytes_per_param"] / 1e9
+    """Each path's forwards against the roofline of the stream and the GEMM rate measured in turn with them."""
+    paths, limits = results["paths"], results["limits"]
+    args = results["model"]["args"]
+    table_gb = args["vocab_size"] * args["hidden_size"] * results["model"]["bytes_per_param"] / 1e9
+    peak, shape = limits["gemm"]["peak"], limits["gemm"]["shape"]
     lines = [
         "",
-        "## Forwards against the stream read in turn with them",
+        "## Forwards against the limits measured in turn with them",
         "",
         "The limits above are read once, before any forward, and the hour may move them. Here each step's forwards "
         f"were taken in turn with reads of the embedding table ({table_gb:.2f} GB) by "
-        f"{' and '.join(stream['readers'])}; the roofline takes the faster median stream and the GEMM peak above.",
+        f"{' and '.join(limits['stream']['readers'])} (the faster median counts), and with the product that set the "
+        f"GEMM peak ({peak['path']}, [{peak['m']}, {shape[1]}] x [{shape[1]}, {shape[0]}]); the roofline takes both.",
         "",
-        "| step | " + " | ".join(f"{p} ms | stream GB/s | roofline ms | {p}/roofline" for p in timed) + " |",
-        "|---" * (1 + 4 * len(timed)) + "|",
+        "| step | " + " | ".join(f"{p} ms | GB/s | GFLOP/s | roofline ms | {p}/roofline" for p in timed) + " |",
+        "|---" * (1 + 5 * len(timed)) + "|",
     ]
     for name in results["roofline"]:
         cells = []
         for p in timed:
             step = paths[p]["steps"][name]
             roof = step["roofline_in_turn_ms"]
-            cells.append(f"{_ms(step['ms'])} | {step['stream_gb_s']:.1f} | {roof:.1f} | {_x(step['ms'] / roof)}")
+            cells.append(
+                f"{_ms(step['ms'])} | {step['stream_gb_s']:.1f} | {_rate(step['gemm_gflop_s'])} | {roof:.1f} | "
+                f"{_x(step['ms'] / roof)}"
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
