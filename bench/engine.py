@@ -63,6 +63,7 @@ HOST_TOKENS_PER_ROW = 5  # a verify round: the pending token and 4 drafts
 HOST_TEMPERATURE = 0.8
 HOST_PEAKED_SCALE = 20.0  # the host draws' peaked case: the sample's logits times this
 DRAFT_TOP = 20  # tokens in each draft distribution q sent with a sampled round
+CACHE_FLUSH_BYTES = 256 * 2**20  # read before each timed small-M product: its weight leaves the 32 MB L3 (EPYC)
 STREAM_COLUMNS = 1536  # the stream limit's table is [rows, this]: the numba reader's product is a weight's shape
 _STEP_NAME = re.compile(r"(?:(\d+)x(\d+))?(?:\+?p(\d+))?")
 
@@ -182,11 +183,14 @@ class CostModel:
         return max(self.weight_bytes / (bandwidth_gb_s * 1e9), self.flops(step, prefix) / (peak_gflop_s * 1e9))
 
 
-def _times_ms(fn: Callable[[], object], repeats: int) -> list[float]:
-    """`repeats` timings of fn after one untimed call (first-call packing, page faults)."""
+def _times_ms(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> list[float]:
+    """`repeats` timings of fn after one untimed call (first-call packing, page faults); `before` runs untimed
+    ahead of each."""
     fn()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
@@ -288,9 +292,12 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     """ms of y = x W^T at each small M on eager, oneDNN-packed (for 1 row, and for 16) and inductor-frozen kernels.
 
     Inductor compiles the product as it would inside the model under freezing (its own packed weight, one
-    compile per M, none counted in the times); a kernel that cannot run here says why instead.
+    compile per M, none counted in the times); a kernel that cannot run here says why instead. Each timed call
+    starts with the weight out of cache, as in a forward, where the products before it flushed it: a weight of
+    this size (55 MB for the 1.5B) otherwise stays partly in a 32 MB L3 from one call to the next.
     """
     linear = torch.nn.Linear(in_features, out_features, bias=False).to(dtype).eval()
+    flush = torch.ones(CACHE_FLUSH_BYTES // 4).sum
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor] | str] = {"eager": linear}
     why_not = onednn_unavailable(torch.device("cpu"), dtype)
     kernels["onednn"] = why_not or PackedLinear(linear.weight, None)
@@ -305,9 +312,9 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
                 row[name] = (
                     kernel
                     if isinstance(kernel, str)
-                    else statistics.median(_times_ms(functools.partial(kernel, x), repeats))
+                    else statistics.median(_times_ms(functools.partial(kernel, x), repeats, flush))
                 )
-            row["inductor"], compile_s[m] = _inductor_frozen_ms(linear, x, repeats)
+            row["inductor"], compile_s[m] = _inductor_frozen_ms(linear, x, repeats, flush)
             rows.append(row)
     return {
         "shape": [out_features, in_features],
@@ -317,7 +324,9 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     }
 
 
-def _inductor_frozen_ms(linear: torch.nn.Module, x: torch.Tensor, repeats: int) -> tuple[float | str, float | None]:
+def _inductor_frozen_ms(
+    linear: torch.nn.Module, x: torch.Tensor, repeats: int, flush: Callable[[], object]
+) -> tuple[float | str, float | None]:
     """(median ms, compile seconds) of inductor's frozen-weight product, or (why it could not run, None)."""
     import torch._inductor.config as inductor_config
 
@@ -328,7 +337,7 @@ def _inductor_frozen_ms(linear: torch.nn.Module, x: torch.Tensor, repeats: int) 
             start = time.perf_counter()
             compiled(x)
             compile_s = time.perf_counter() - start
-            return statistics.median(_times_ms(lambda: compiled(x), repeats)), compile_s
+            return statistics.median(_times_ms(lambda: compiled(x), repeats, flush)), compile_s
     except Exception as exc:  # no compiler, an unsupported dtype: the table says so
         return f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}", None
     finally:
