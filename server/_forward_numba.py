@@ -258,7 +258,6 @@ def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets
             for d in range(head_dim):
                 queries[i, d] = q[starts[r] + i // group, kv_head * group + i % group, d] * scale
         scores = np.empty((num_queries, num_keys), np.float32)
-        powers = np.empty(num_keys, np.int32)
         _scores(queries, k_cache, slot, kv_head, num_keys, scores)
         for i in range(num_queries):
             t = i // group
@@ -272,7 +271,7 @@ def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets
             top = -np.inf
             for key in range(seen):
                 top = max(top, scores[i, key])
-            _exp_minus(scores[i], seen, top, powers)
+            _exp_minus(scores[i], seen, top)
             if tree != NO_TREE:  # exactly nothing from the keys the tree hides
                 for j in range(t + 1):
                     if not tree_masks[tree + t * new + j]:
@@ -310,9 +309,9 @@ def _float32_from_bits(typingctx, bits):
 
 
 @njit(inline="always")
-def _exp_parts(x):
-    """(e**r, the int32 bits of the float32 2**n) with e**x = e**r * 2**n, for x in [_EXP_FLOOR, 0]."""
-    n = np.floor(x * _LOG2E + np.float32(0.5))
+def _exp(x):
+    """float32 e**x for x in [_EXP_FLOOR, 0]."""
+    n = np.floor(x * _LOG2E + np.float32(0.5))  # np.floor, not math.floor: an int round trip stops vectorizing
     r = x - n * _LN2_HIGH - n * _LN2_LOW
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
@@ -320,25 +319,14 @@ def _exp_parts(x):
     p = p * r + np.float32(4.1665795894e-2)
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
-    return p * (r * r) + r + _ONE, (np.int32(n) + np.int32(127)) << np.int32(23)
-
-
-@njit(inline="always")
-def _exp(x):
-    """float32 e**x for x in [_EXP_FLOOR, 0]."""
-    mantissa, power = _exp_parts(x)
-    return mantissa * _float32_from_bits(np.int32(power))
+    return (p * (r * r) + r + _ONE) * _float32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
 @njit(fastmath=_FAST)
-def _exp_minus(row, count, top, powers):
-    """row[:count] = exp(row[:count] - top) for values <= top (-inf gives e**-87, not 0); powers: scratch [count].
-    Two passes: one loop that also scales by 2**n ran 5-15% slower in the attention kernel."""
+def _exp_minus(row, count, top):
+    """row[:count] = exp(row[:count] - top) for values <= top (-inf gives e**-87, not 0)."""
     for k in range(count):
-        row[k], powers[k] = _exp_parts(max(row[k] - top, _EXP_FLOOR))
-    scale = powers[:count].view(np.float32)
-    for k in range(count):
-        row[k] *= scale[k]
+        row[k] = _exp(max(row[k] - top, _EXP_FLOOR))
 
 
 @njit(fastmath=_FAST)
