@@ -7,15 +7,16 @@ and raced while it is still in cache, and the noise of a token is hashed only
 when its logit is within the race's reach, and turned into a Gumbel value
 (two logs) only when even an upper bound on that value could win:
 
-    G = -log(-log u) <= -log(1 - u) = 23 ln 2 - ln(y - 1/2) <= (24 - e) ln 2,
-    y = 2**23 - token_uniform(bits) in [1, 2**23], e = floor(log2 y)
+    G = -log(-log u) <= -log(1 - u) = 23 ln 2 - ln(y - 1/2),
+    y = 2**23 - token_uniform(bits) in [1, 2**23]
 
-so a token can reach the best score S found so far only if e <= 24 - (S - a) / ln 2,
-a = (logit - max) / T: one variable shift of y. A block of 256 tokens is first
-tested by its noise alone, against its highest logit's bound: the largest of
-its hashes, one max per 8 tokens, which rules out most blocks of a flat row
-before any token's own bound is worked out. A flat row scores a few dozen
-tokens exactly, not 150k.
+so a token can reach the best score S found so far only if y <= 2**(t - 1) + 1/2,
+t = 24 - (S - a) / ln 2, a = (logit - max) / T: one float compare, the power of
+two bounded by (1 + f) 2**k for k + f = t - 1. A block of 256 tokens is first
+tested by its noise alone, against its highest logit's bound: its smallest y,
+from the largest of its hashes (one max per 8 tokens), which rules out three
+blocks in four of a flat row before any token's own bound is worked out. A
+flat row scores a few tokens exactly, not 150k.
 
 Same bits, same scores, same winner as the eager race: the hash is
 specedge/noise.py's integer arithmetic in uint32 lanes, the exact score is

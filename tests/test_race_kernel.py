@@ -35,6 +35,19 @@ def test_the_kernels_noise_is_the_definitions_bits():
     torch.testing.assert_close(compiled, gumbel(torch.full_like(token_ids, key), token_ids), rtol=1e-6, atol=1e-6)
 
 
+def test_the_noise_bound_admits_every_token_that_can_reach_the_best_score():
+    """_largest_y(t) >= 2**(t - 1) + 1/2, the largest y whose token can still reach the best score (y <= 2**23
+    always), and at most 9% above it: the race skips every token whose y is above the bound."""
+    near_integers = np.arange(-2, 26, dtype=np.float32)[:, None] + np.float32(1e-6) * np.array([-1, 0, 1])
+    grid = np.concatenate([np.linspace(-4, 27, 40_001, dtype=np.float32), near_integers.ravel().astype(np.float32)])
+    for t in grid:
+        bound, exact = float(kernel._largest_y(t)), 2.0 ** (float(t) - 1) + 0.5
+        assert bound >= min(exact, 2.0**23), t
+        if -1 <= t <= 24:
+            assert bound - 0.5 <= 1.09 * (exact - 0.5), t
+    assert float(kernel._largest_y(np.float32(math.nan))) < 1  # no y (>= 1) passes
+
+
 def _race_both(logits, temperature, top_k=0, top_p=1.0, seed=7):
     """(kernel winners, eager winners) on the same logits, filters and keys."""
     num_rows = logits.shape[0]
