@@ -84,7 +84,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         **{
             f"host {case} {kind}": results["host"][case].get(kind, {}).get("ms")
             for case in ("flat", "peaked")
-            for kind in ("greedy", "sampled", "rejection")
+            for kind in ("read", "greedy", "sampled", "rejection")
         },
         **{f"roofline {name}": results["roofline"].get(name, {}).get("ms") for name in DEFAULT_STEPS},
     }
@@ -133,7 +133,13 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert set(stream["readers"]) == {"torch sum", "numba product, M=1"} and stream["by"] in stream["readers"]
     assert stream["gb_s_median"] == max(read["gb_s_median"] for read in stream["readers"].values())
     assert "| memory stream (used) |" in table
-    assert "| draws | flat ms | peaked ms |" in table
+    # The host draws against one read of the same logits, taken in turn with them.
+    assert "| draws | flat ms | x read | peaked ms | x read |" in table
+    assert all(
+        len(results["host"][case][kind]["times_ms"]) == 1 for case in ("flat", "peaked") for kind in ("read", "greedy")
+    )
+    for case in ("flat", "peaked"):
+        assert f"{results['host'][case]['greedy']['ms'] / results['host'][case]['read']['ms']:.2f}x" in table
     assert "## Attention: numba against the row loop" in table
     layer = results["limits"]["attention"]
     assert [(row["cached"], row["step"]) for row in layer["rows"]] == [(8, name) for name in ATTENTION_STEPS]
