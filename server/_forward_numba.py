@@ -67,13 +67,15 @@ _SILU_CHUNK = 2048  # columns per parallel task
 
 
 def warm_up() -> None:
-    """Compile the three kernels, or load them from numba's cache, and check a known answer from each."""
-    _warm_up_matmul()
-    _warm_up_attention()
-    _warm_up_layer()
+    """Compile the three kernels, or load them from numba's cache, and check a known answer from each.
+    The layer calls the other two, so server/layer_kernel.py warms all three; the product and the
+    attention warm only their own (warm_up_matmul, warm_up_attention)."""
+    warm_up_matmul()
+    warm_up_attention()
+    warm_up_layer()
 
 
-def _warm_up_matmul() -> None:
+def warm_up_matmul() -> None:
     for rows, columns in ((3, 5), (4, 8)):  # the plain loops, and the prefetching tile
         x, w = np.ones((rows, columns), np.float32), np.ones((6, columns), np.float32)
         y = np.empty((rows, 6), np.float32)
@@ -222,7 +224,7 @@ def dot_4x1(x, m, w, o, step, out, column):
 # Attention
 
 
-def _warm_up_attention() -> None:
+def warm_up_attention() -> None:
     q = np.zeros((2, 2, 4), np.float32)  # two tokens of a chain, two heads sharing one KV head
     keys = np.zeros((1, 4, 1, 4), np.float32)
     values = np.arange(16, dtype=np.float32).reshape(1, 4, 1, 4)
@@ -381,7 +383,7 @@ def _weighted_values(weights, v_cache, slot, kv_head, num_keys, sums):
 # The decoder layer
 
 
-def _warm_up_layer() -> None:
+def warm_up_layer() -> None:
     num, hidden, heads, head_dim, inner = 2, 8, 2, 4, 6
     x = np.arange(num * hidden, dtype=np.float32).reshape(num, hidden)
     zeros = np.zeros  # with zero weights the layer adds nothing, and each value is its bias

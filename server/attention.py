@@ -85,7 +85,7 @@ def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 @functools.cache
 def numba_kernel() -> ModuleType | None:
     """server/_forward_numba.py compiled, or None where numba is missing or fails to compile."""
-    return load_kernel("_forward_numba", "attention runs one call per row")
+    return load_kernel("_forward_numba", "attention runs one call per row", "warm_up_attention")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,16 +13,18 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 
-def load_kernel(name: str, instead: str) -> ModuleType | None:
-    """specedge.server.<name> imported and warmed up (compiled, or loaded from numba's cache), or None."""
+def load_kernel(name: str, instead: str, warm_up: str = "warm_up") -> ModuleType | None:
+    """specedge.server.<name> imported and its `warm_up` run (the kernels it calls compiled, or loaded from
+    numba's cache), or None. A caller names the warm-up of just the kernels it runs, so that one kernel's
+    compiler failure does not take the others' speed with it."""
     try:
         module = importlib.import_module(f"specedge.server.{name}")
     except ImportError as error:
         log.warning("numba unavailable (%s): %s", error, instead)
         return None
     try:
-        module.warm_up()
+        getattr(module, warm_up)()
     except Exception as error:  # noqa: BLE001 - any compiler failure means: the plain path
-        log.warning("numba could not compile %s (%s): %s", name, error, instead)
+        log.warning("numba could not compile %s.%s (%s): %s", name, warm_up, error, instead)
         return None
     return module

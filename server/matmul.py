@@ -107,7 +107,7 @@ class PlainLinear(nn.Module):
 @functools.cache
 def numba_kernel() -> ModuleType | None:
     """server/_forward_numba.py compiled, or None where numba is missing or fails to compile."""
-    return load_kernel("_forward_numba", "matrix products take another path")
+    return load_kernel("_forward_numba", "matrix products take another path", "warm_up_matmul")
 
 
 def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -101,3 +101,26 @@ def test_a_second_process_loads_the_forward_kernels_from_the_cache():
     counts = {name: (int(hits), int(misses)) for name, hits, misses in map(str.split, run.stdout.splitlines())}
     assert set(counts) == {"matmul", "attend", "decoder_layer"}, run.stdout
     assert all(hits >= 1 and misses == 0 for hits, misses in counts.values()), (counts, run.stderr)
+
+
+def test_a_kernel_that_fails_to_compile_leaves_the_others_their_speed(monkeypatch, caplog):
+    """Each caller warms only the kernels it runs: a layer that cannot compile still leaves the product and the
+    attention compiled, and says so in one log line."""
+    from specedge.server import _forward_numba, attention, layer_kernel, matmul
+
+    def fail() -> None:
+        raise RuntimeError("no layer today")
+
+    accessors = (matmul.numba_kernel, attention.numba_kernel, layer_kernel.numba_kernel)
+    monkeypatch.setattr(_forward_numba, "warm_up_layer", fail)
+    for accessor in accessors:
+        accessor.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="specedge.server.kernels"):
+            assert layer_kernel.numba_kernel() is None
+            assert matmul.numba_kernel() is _forward_numba and attention.numba_kernel() is _forward_numba
+    finally:
+        for accessor in accessors:
+            accessor.cache_clear()  # the next caller loads them again, with the real warm-up
+    [line] = caplog.messages
+    assert "no layer today" in line and "layers run module by module" in line
