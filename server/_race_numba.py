@@ -247,28 +247,50 @@ def _exp(x):
 # lanes (each <= 1), the blocks in float64.
 @njit(parallel=True, cache=True, fastmath={"reassoc", "nsz", "arcp", "contract"})
 def log_norms(logits, rows, values, temperature, floors, out):
-    """out[r] = log sum exp((logit - max) / T) over the tokens of row rows[r] with logit >= floor."""
+    """out[r] = log sum exp((logit - max) / T) over the tokens of row rows[r] with logit >= floor.
+
+    A block whose highest logit is below the lowest that counts is skipped; the highest logits are
+    found for a block of each of the row's four quarters at a time, as _argmax reads them."""
     num_tokens = logits.shape[1]
+    span = num_tokens // (4 * _BLOCK) * _BLOCK  # a quarter's whole blocks
     for r in prange(rows.shape[0]):
         row = logits[rows[r]]
         top_logit, floor = values[r], floors[r]
         lowest = max(floor, top_logit + _NEGLIGIBLE * temperature[r])
         scale = np.float32(1.0) / temperature[r]
         total = 0.0
-        for start in range(0, num_tokens, _BLOCK):
+        for first in range(0, span, _BLOCK):
+            high0 = high1 = high2 = high3 = np.float32(-np.inf)
+            for j in range(first, first + _BLOCK):
+                high0, high1 = max(high0, row[np.uintp(j)]), max(high1, row[np.uintp(j + span)])
+                high2, high3 = max(high2, row[np.uintp(j + 2 * span)]), max(high3, row[np.uintp(j + 3 * span)])
+            for start, highest in (
+                (first, high0),
+                (first + span, high1),
+                (first + 2 * span, high2),
+                (first + 3 * span, high3),
+            ):
+                if highest >= lowest:
+                    total += _terms(row, start, start + _BLOCK, top_logit, scale, lowest)
+        for start in range(4 * span, num_tokens, _BLOCK):  # the blocks left over, the last perhaps partial
             stop = min(start + _BLOCK, num_tokens)
             highest = np.float32(-np.inf)
             for j in range(start, stop):
                 highest = max(highest, row[np.uintp(j)])
-            if not highest >= lowest:
-                continue
-            block = np.float32(0.0)
-            for j in range(start, stop):
-                logit = row[np.uintp(j)]
-                term = _exp(max(np.float32(logit - top_logit) * scale, _NEGLIGIBLE))
-                block += term if logit >= lowest else np.float32(0.0)
-            total += block
+            if highest >= lowest:
+                total += _terms(row, start, stop, top_logit, scale, lowest)
         out[r] = math.log(total)
+
+
+@njit(inline="always", fastmath={"reassoc", "nsz", "arcp", "contract"})
+def _terms(row, start, stop, top_logit, scale, lowest):
+    """The float32 sum of exp((logit - max) / T) over row[start:stop]'s logits >= lowest."""
+    block = np.float32(0.0)
+    for j in range(start, stop):
+        logit = row[np.uintp(j)]
+        term = _exp(max(np.float32(logit - top_logit) * scale, _NEGLIGIBLE))
+        block += term if logit >= lowest else np.float32(0.0)
+    return block
 
 
 def warm_up() -> None:
