@@ -22,9 +22,9 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
     torch.manual_seed(out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     plain = PlainLinear(linear.weight, linear.bias)
-    # Odd and even row counts (the kernel pairs rows, and prefetches from two pairs on), both sides of the
-    # kernel's limit, and a 3-d input.
-    for rows in (1, 2, 3, 4, 5, 8, NUMBA_MAX_ROWS, NUMBA_MAX_ROWS + 1, 97):
+    # Every row count mod 2 and mod 3 (the kernel pairs rows, and from four rows on prefetches in passes of three
+    # x rows and two), both sides of the kernel's limit, and a 3-d input.
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, NUMBA_MAX_ROWS, NUMBA_MAX_ROWS + 1, 97):
         x = torch.randn(rows, in_features)
         with torch.inference_mode():
             torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
