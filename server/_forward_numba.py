@@ -19,7 +19,7 @@ passes that read a block from cache would leave the memory idle, so each pass al
 prefetches its share of the next block's lines, one line every step or two; and
 these passes take x three rows at a time (then two), twelve sums in the sixteen
 registers, so M = 8 makes three passes over a block instead of four and each
-weight vector loaded meets three x rows: 0.96x the time at M = 5 and 8, 0.86-0.90x
+weight vector loaded meets three x rows: 0.96x the time at M = 5 and 8, 0.86-0.92x
 at 16 and 40. `_prefetching_tile` writes them in LLVM IR because a prefetch inside
 a numba loop stops LLVM from vectorizing it. Prefetching a whole share at once,
 between passes, was slower (README.md's 8 x 1 paragraph).
