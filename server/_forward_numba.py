@@ -14,15 +14,15 @@ blocks of four weight rows and walks x two or three rows at a time, so a weight 
 from memory once and then from cache, by each later pass. At M = 1-40 this reads the
 weights at the machine's memory speed, where oneDNN and MKL reach 50-85% of it
 (`specedge-bench engine`'s kernel table). Larger M are left to oneDNN, whose
-blocked GEMM reuses each weight over many more rows. From four x rows on, the
-passes that read a block from cache would leave the memory idle, so each pass also
-prefetches its share of the next block's lines, one line every step or two; and
-these passes take x three rows at a time (then two), twelve sums in the sixteen
-registers, so M = 8 makes three passes over a block instead of four and each
-weight vector loaded meets three x rows: 0.96x the time at M = 5 and 8, 0.86-0.92x
-at 16 and 40. `_prefetching_tile` writes them in LLVM IR because a prefetch inside
-a numba loop stops LLVM from vectorizing it. Prefetching a whole share at once,
-between passes, was slower (README.md's 8 x 1 paragraph).
+blocked GEMM reuses each weight over many more rows. From three x rows on, passes
+take x three rows at a time (then two), twelve sums in the sixteen registers, and
+each pass prefetches its share of the next block's lines, one line every step or
+two, so that a pass reading its block from cache does not leave the memory idle.
+M = 3 makes one pass over a block instead of two (0.90-0.92x the time), M = 8 three
+instead of four, and each weight vector loaded meets three x rows (0.96x the time
+at M = 5 and 8, 0.86-0.92x at 16 and 40). `_prefetching_tile` writes them in LLVM
+IR because a prefetch inside a numba loop stops LLVM from vectorizing it.
+Prefetching a whole share at once, between passes, was slower (README.md's 8 x 1 paragraph).
 
 Attention. Every short row of a step (a decode token, a verify chain or tree)
 attends to its own KV slot in one call: one parallel task per (row, KV head),
@@ -96,13 +96,14 @@ def matmul(x, w, y):
     m_rows, k = x.shape
     n = w.shape[0]
     pairs = m_rows // 2
-    prefetching = pairs >= 2 and k >= 8 and k % 8 == 0  # the tile divides by k / 8
+    prefetching = m_rows >= 3 and k >= 8 and k % 8 == 0  # the tile divides by k / 8
     # Prefetching passes take x rows three at a time, then two (a third row left alone joins the last triple:
-    # 3 + 1 = 2 + 2), so that M = 8 is three passes over a block, not four.
-    triples = m_rows // 3 - 1 if m_rows % 3 == 1 else m_rows // 3  # >= 0 wherever prefetching (m_rows >= 4)
+    # 3 + 1 = 2 + 2), so that M = 3 is one pass over a block and M = 8 three, not two and four.
+    triples = m_rows // 3 - 1 if m_rows % 3 == 1 else m_rows // 3  # >= 0 wherever prefetching (m_rows >= 3)
     passes = triples + (m_rows - 3 * triples) // 2
     full_blocks = n // 4
-    share = (k // 4) // max(passes, 1)  # a pass's share of a block's 4 k / 16 lines: at most k / 8, one a step
+    # A pass's share of the next block's 4 k / 16 lines, at most k / 8 (one a step): M = 3's one pass takes half.
+    share = min((k // 4) // max(passes, 1), k // 8)
     for block in prange((n + 3) // 4):
         o = block * 4
         if o + 4 <= n:

@@ -22,7 +22,7 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
     torch.manual_seed(out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     plain = PlainLinear(linear.weight, linear.bias)
-    # Every row count mod 2 and mod 3 (the kernel pairs rows, and from four rows on prefetches in passes of three
+    # Every row count mod 2 and mod 3 (the kernel pairs rows, and from three rows on prefetches in passes of three
     # x rows and two), both sides of the kernel's limit, and a 3-d input.
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, NUMBA_MAX_ROWS, NUMBA_MAX_ROWS + 1, 97):
         x = torch.randn(rows, in_features)
