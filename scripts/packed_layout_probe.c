@@ -1,7 +1,7 @@
 // Would weights packed along N (oneDNN's layout) make a small-M product cheaper than the plain rows the numba
 // kernel reads? README.md's 8 x 1 paragraph quotes this probe.
 //
-//     gcc -O3 -mavx2 -mfma -fopenmp scripts/packed_layout_probe.c -o /tmp/packed_probe && /tmp/packed_probe
+//     gcc -O3 -mavx2 -mfma -fopenmp scripts/packed_layout_probe.c -o /tmp/packed_probe -lm && /tmp/packed_probe
 //
 // Two layouts of the same float32 weight W [N, K], each with its best kernel we know:
 // - plain: W's rows as loaded. A C twin of server/_forward_numba.py's product: blocks of four weight rows, dot
