@@ -196,7 +196,7 @@ def _prefetching_tile(columns):
 
 
 _dot_4x2_prefetching = _prefetching_tile(2)
-_dot_4x3_prefetching = _prefetching_tile(3)  # twelve sums: 16 registers with the four w vectors and one x
+_dot_4x3_prefetching = _prefetching_tile(3)  # twelve sums, three x vectors and one w vector: all 16 registers
 
 
 def _horizontal_sum(builder, vector):
