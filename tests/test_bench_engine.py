@@ -38,8 +38,13 @@ def test_roofline_counts_a_tied_head_once_and_runs_it_only_for_wanted_logits():
     # A 155-token prefill runs the LM head once, not 155 times.
     prefill = cost.flops(Step.parse("p155"), 200)
     assert prefill == 2 * (155 * cost.layer_params + cost.head_params) + attention_per_key * 155 * 156 // 2
+    # Each row's keys and values are read once: 28 layers x (K and V) x 2 KV heads x 128 x 4 bytes a position.
+    assert cost.kv_bytes_per_key == 28 * 2 * 2 * 128 * 4
+    assert cost.bytes(Step.parse("8x1"), 2000) == cost.weight_bytes + 8 * 2001 * cost.kv_bytes_per_key
+    assert cost.bytes(Step.parse("7x5+p120"), 200) == cost.weight_bytes + (7 * 205 + 120) * cost.kv_bytes_per_key
     # One token is bandwidth-bound; 155 tokens are compute-bound at 400 GFLOP/s.
-    assert cost.roofline_s(Step.parse("1x1"), 200, 45.0, 400.0) == pytest.approx(cost.weight_bytes / 45e9)
+    one = cost.weight_bytes + 201 * cost.kv_bytes_per_key
+    assert cost.roofline_s(Step.parse("1x1"), 200, 45.0, 400.0) == pytest.approx(one / 45e9)
     assert cost.roofline_s(Step.parse("p155"), 200, 45.0, 400.0) == pytest.approx(prefill / 400e9)
 
 
@@ -154,7 +159,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     for path in PATHS:
         for name in DEFAULT_STEPS:
             step, roofline = results["paths"][path]["steps"][name], results["roofline"][name]
-            floor = results["model"]["weight_bytes"] / (step["stream_gb_s"] * 1e6)
+            floor = roofline["gbytes"] * 1e3 / step["stream_gb_s"]
             compute = roofline["gflop"] * 1e3 / step["gemm_gflop_s"]
             assert step["roofline_in_turn_ms"] == pytest.approx(max(floor, compute)), (path, name)
     assert "| step | eager ms | GB/s | GFLOP/s | roofline ms | eager/roofline | onednn ms |" in table
