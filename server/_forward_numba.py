@@ -28,9 +28,9 @@ Attention. Every short row of a step (a decode token, a verify chain or tree)
 attends to its own KV slot in one call: one parallel task per (row, KV head),
 reading the slot in place. A task scores each visible key against the G query
 heads that share the KV head while the key is in cache, takes a softmax per query
-head, and sums the values the same way, prefetching keys and values 16 keys ahead. On a CPU this replaces one
-scaled-dot-product call per row and layer (about 0.1 ms each, whatever the row's
-size) with a few microseconds of arithmetic. A query at new position t sees every
+head, and sums the values the same way, prefetching keys and values 16 keys
+ahead. On a CPU this replaces one scaled-dot-product call per row and layer
+(about 0.1 ms each, whatever the row's size) with a few microseconds of arithmetic. A query at new position t sees every
 cached key and its row's new keys j <= t: all of them in a chain, its ancestors in
 a tree (tree_masks). Keys past t are never read.
 
@@ -418,8 +418,8 @@ def _weighted_values(weights, v_cache, slot, kv_head, num_keys, sums):
 def _prefetch_keys(rows, first, share, shares, end, num_kv_heads, kv_head):
     """Prefetch into L1 the share-th of `shares` parts of keys first .. first + 3 of one head, those below end
     (the keys a row sees): rows key * KVH + kv_head of rows [max_len * KVH, D]. A loop over four keys calls it
-    once per part, spread over its work: the same prefetches at once were slower (0.79-0.92x the time
-    of none, spread 0.69-0.86x)."""
+    once per part, spread over its work: issued at once, the same prefetches took 0.79-0.92x the time of
+    none; spread, 0.67-0.85x (README.md's attention paragraph)."""
     for key in range(first + share * 4 // shares, min(first + (share + 1) * 4 // shares, end)):
         _prefetch_row(rows, key * num_kv_heads + kv_head)
 
