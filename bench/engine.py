@@ -152,7 +152,7 @@ class CostModel:
     head_params: int  # the LM head's; a tied embedding is counted here once (a lookup reads only a few rows)
     attention_flops_per_key: int  # QK^T and PV for one token against one cached key, all layers and heads
     bytes_per_param: int
-    kv_bytes_per_key: int = 0  # one cached position's keys and values, all layers: read once by its row's step
+    kv_bytes_per_key: int  # one cached position's keys and values, all layers: read once by its row's step
 
     @classmethod
     def of(cls, args: ModelArgs, dtype: torch.dtype) -> CostModel:

@@ -30,9 +30,10 @@ reading the slot in place. A task scores each visible key against the G query
 heads that share the KV head while the key is in cache, takes a softmax per query
 head, and sums the values the same way, prefetching keys and values 16 keys
 ahead. On a CPU this replaces one scaled-dot-product call per row and layer
-(about 0.1 ms each, whatever the row's size) with a few microseconds of arithmetic. A query at new position t sees every
-cached key and its row's new keys j <= t: all of them in a chain, its ancestors in
-a tree (tree_masks). Keys past t are never read.
+(about 0.1 ms each, whatever the row's size) with a few microseconds of
+arithmetic. A query at new position t sees every cached key and its row's new
+keys j <= t: all of them in a chain, its ancestors in a tree (tree_masks). Keys
+past t are never read.
 
 The decoder layer. One call runs a whole layer over a step's packed tokens, in
 place on the residual stream x [N, hidden]: RMSNorm, the fused q/k/v product,
@@ -152,9 +153,7 @@ def _prefetching_tile(columns):
             steps = builder.lshr(k, _I64(3))
             per_step = builder.sdiv(builder.shl(lines, _I64(16)), steps)  # lines a step, in 1/65536ths
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]), "llvm.prefetch.p0"
-            )
+            prefetch = _llvm_prefetch(builder)
             entry = builder.block
             head, body, done = (builder.append_basic_block(name) for name in ("head", "body", "done"))
             builder.branch(head)
@@ -199,6 +198,12 @@ def _prefetching_tile(columns):
 
 _dot_4x2_prefetching = _prefetching_tile(2)
 _dot_4x3_prefetching = _prefetching_tile(3)  # twelve sums, three x vectors and one w vector: all 16 registers
+
+
+def _llvm_prefetch(builder):
+    """LLVM's prefetch(address, rw, locality, cache type), declared once in the builder's module."""
+    signature = ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32])
+    return cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0")
 
 
 def _horizontal_sum(builder, vector):
@@ -434,9 +439,7 @@ def _prefetch_row(typingctx, rows, row):
         array = context.make_array(signature.args[0])(context, builder, args[0])
         width = builder.extract_value(array.shape, 1)
         start = builder.gep(array.data, [builder.mul(args[1], width)])
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]), "llvm.prefetch.p0"
-        )
+        prefetch = _llvm_prefetch(builder)
         with cgutils.for_range(builder, builder.lshr(builder.add(width, _I64(15)), _I64(4))) as loop:
             line = builder.gep(start, [builder.shl(loop.index, _I64(4))])
             builder.call(prefetch, [builder.bitcast(line, _I8P), _I32(0), _I32(_TO_L1), _I32(1)])
