@@ -302,7 +302,10 @@ class SpecEdgeServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
-        self.port = transport.bind(self._grpc, f"{self.config.host}:{self.config.port}")
+        try:
+            self.port = transport.bind(self._grpc, f"{self.config.host}:{self.config.port}")
+        except RuntimeError:  # grpcio raises "Failed to bind", where older releases returned port 0
+            self.port = 0
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port} (in use?)")
         if self.config.metrics_port is not None:

@@ -227,7 +227,11 @@ async def _serve(args: argparse.Namespace, parallel: ParallelConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    address = await server.start()
+    try:
+        address = await server.start()
+    except BaseException:
+        await server.stop(grace=0)  # what did start (the engine thread, tensor-parallel ranks) stops with us
+        raise
     print(f"specedge-server ready on {address}", flush=True)
     stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(server.wait_failed())
     await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -147,20 +148,22 @@ def start_server_process(
 
     Its output lines (stdout and stderr) keep arriving in `output`, when given.
     """
-    port = port or free_port()
     server = os.path.join(os.path.dirname(sys.executable), "specedge-server")
-    command = [*launcher, server, *args, "--port", str(port)]
+    # Port 0 unless the caller needs a known one: a port picked here and bound later by the server could be taken
+    # meanwhile (tensor-parallel ranks open their own sockets first).
+    command = [*launcher, server, *args, "--port", str(port or 0)]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent()
     )
-    ready = f"specedge-server ready on 127.0.0.1:{port}"
+    ready = re.compile(rf"specedge-server ready on (127\.0\.0\.1:{port or '[0-9]+'})")
     lines: list[str] = output if output is not None else []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
-        if any(line.strip() == ready for line in lines):
-            return process, f"127.0.0.1:{port}"
+        for line in list(lines):
+            if found := ready.fullmatch(line.strip()):
+                return process, found.group(1)
         time.sleep(0.1)
     process.kill()
     raise RuntimeError("specedge-server did not become ready:\n" + "".join(lines[-20:]))

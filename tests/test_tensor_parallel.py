@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -259,6 +260,19 @@ def test_bad_tp_fails_at_start_in_one_line(tiny_target_dir):
     assert result.stderr.strip().splitlines()[-1] == (
         "specedge-server: --tp 3 does not divide the model's 4 attention heads; use one of 1, 2, 4"
     )
+
+
+def test_a_port_in_use_fails_in_one_line_and_stops_the_ranks(tiny_target_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [f"{BIN}/specedge-server", "--model", str(tiny_target_dir), "--tp", "2", "--device", "cpu"]
+        result = subprocess.run([*command, "--port", str(port)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"specedge-server: could not bind 127.0.0.1:{port} (in use?)"
+    # Rank 1 was stopped in order, not found dead by its watcher after the event loop had closed.
+    assert "Traceback" not in result.stderr and "exited with code" not in result.stderr, result.stderr
 
 
 def test_more_ranks_than_gpus_is_refused_before_loading(tiny_target_dir):
