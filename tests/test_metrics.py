@@ -288,10 +288,20 @@ def test_cli_logs_metrics_address_and_keeps_stdout_clean(tiny_target_dir):
         samples = scrape(int(found.group(1)))[1]
         assert samples[("specedge:kv_slots_free", ())] == 8  # --max-sessions default
         # The step budget and the cost curve it came from, timed at start: in the log and in /metrics.
-        logged = re.search(r"step budget: (\d+) tokens, shared across identities; cost curve: ", "".join(stderr_lines))
+        logged = re.search(
+            r"step budget: (\d+) tokens, shared across identities; cost curve: ([0-9.]+) ms \+ ([0-9.]+) ms per token",
+            "".join(stderr_lines),
+        )
         assert logged, "".join(stderr_lines)
         assert samples[("specedge:step_budget_tokens", ())] == int(logged.group(1)) >= 8  # never under the floor
-        assert samples[("specedge:step_cost_fixed_seconds", ())] > 0
+        # The fit's intercept may be 0 (a tiny model's cost grows with tokens from the first), never its whole line.
+        fixed, per_token = (
+            samples[("specedge:step_cost_fixed_seconds", ())],
+            samples[("specedge:step_cost_per_token_seconds", ())],
+        )
+        assert fixed * 1e3 == pytest.approx(float(logged.group(2)), abs=0.05)
+        assert per_token * 1e3 == pytest.approx(float(logged.group(3)), abs=0.0005)
+        assert fixed + per_token > 0
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         assert process.stdout.read() == ""
