@@ -15,9 +15,12 @@ position's row, which is the only one a chain needs.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import pathlib
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 import llama_cpp
 import numpy as np
@@ -33,6 +36,44 @@ from specedge.edge_client.drafting.base import (
 from specedge.edge_client.drafting.coupled import draw_coupled
 from specedge.edge_client.llama_log import route_llama_logs_to_logging
 from specedge.tokens import fingerprint_from_gguf
+
+log = logging.getLogger(__name__)
+
+# llama-cpp-python 0.3.16's llama.cpp, built on a CPU with AMX, runs Q4_0 and Q4_1 weights through AMX kernels that
+# return wrong logits for batches of 32 and 64 tokens: on a Xeon with AMX, SmolLM2-135M Q4_1's next-token
+# probabilities moved by up to 0.64 and its argmax changed against the same tokens in two batches
+# (ggml-org/llama.cpp#16315, fixed upstream after this release). Q4_K (the default draft) measured correct.
+_AMX_MISCOMPUTED = frozenset({llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1})
+_MODEL_PARAMS_LOCK = threading.Lock()
+
+
+def _amx_miscomputes(llm: llama_cpp.Llama) -> bool:
+    """Whether this llama.cpp build runs the model's weights through its miscomputing AMX kernels."""
+    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+        return False
+    try:
+        return int(llm.metadata.get("general.file_type", -1)) in _AMX_MISCOMPUTED
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def _extra_buffer_types_off() -> Iterator[None]:
+    """Models loaded inside keep their weights in plain CPU buffers: no AMX (nor repacked) layouts.
+    `llama_cpp.Llama` takes no argument for llama.cpp's `use_extra_bufts`, so its defaults are swapped meanwhile."""
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def without_extra_buffer_types() -> llama_cpp.llama_model_params:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    with _MODEL_PARAMS_LOCK:
+        llama_cpp.llama_cpp.llama_model_default_params = without_extra_buffer_types
+        try:
+            yield
+        finally:
+            llama_cpp.llama_cpp.llama_model_default_params = defaults
 
 
 class LlamaCppDrafter:
@@ -53,14 +94,27 @@ class LlamaCppDrafter:
         n_batch: int = 512,
     ):
         route_llama_logs_to_logging()
-        self._llm: llama_cpp.Llama | None = llama_cpp.Llama(
-            model_path=str(model_path),
-            n_ctx=n_ctx,
-            n_threads=n_threads or os.cpu_count() or 1,
-            n_batch=n_batch,
-            logits_all=False,
-            verbose=False,
-        )
+
+        def load() -> llama_cpp.Llama:
+            return llama_cpp.Llama(
+                model_path=str(model_path),
+                n_ctx=n_ctx,
+                n_threads=n_threads or os.cpu_count() or 1,
+                n_batch=n_batch,
+                logits_all=False,
+                verbose=False,
+            )
+
+        self._llm: llama_cpp.Llama | None = load()
+        if _amx_miscomputes(self._llm):
+            log.warning(
+                "%s: llama.cpp's AMX kernels miscompute Q4_0 and Q4_1 weights on this CPU; drafting without them "
+                "(correct, about half the speed): a Q4_K or Q8_0 GGUF keeps them",
+                pathlib.Path(model_path).name,
+            )
+            self._llm.close()
+            with _extra_buffer_types_off():
+                self._llm = load()
         self._num_vocab = self._llm.n_vocab()
         self._max_tokens = self._llm.n_ctx()
         self.fingerprint = fingerprint_from_gguf(model_path)
