@@ -285,7 +285,7 @@ def _products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.
     if onednn_unavailable(torch.device("cpu"), weight.dtype) is None:
         paths["onednn"] = PackedLinear(weight, None)
     if numba_unavailable(torch.device("cpu"), weight.dtype) is None:
-        paths["numba"] = PlainLinear(weight, None)  # past NUMBA_MAX_ROWS: oneDNN's GEMM on the plain weight
+        paths["numba"] = PlainLinear(weight, None)  # past numba_max_rows(): oneDNN's GEMM on the plain weight
     return paths
 
 

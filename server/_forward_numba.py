@@ -14,15 +14,20 @@ blocks of four weight rows and walks x two or three rows at a time, so a weight 
 from memory once and then from cache, by each later pass. At M = 1-40 this reads the
 weights at the machine's memory speed, where oneDNN and MKL reach 50-85% of it
 (`specedge-bench engine`'s kernel table). Larger M are left to oneDNN, whose
-blocked GEMM reuses each weight over many more rows. From three x rows on, passes
-take x three rows at a time (then two), twelve sums in the sixteen registers, and
-each pass prefetches its share of the next block's lines, one line every step or
+blocked GEMM reuses each weight over many more rows (MAX_ROWS). From three x rows
+on, passes take x up to _GROUP rows at a time, in groups as even as the rows allow,
+and each pass prefetches its share of the next block's lines, one line every step or
 two, so that a pass reading its block from cache does not leave the memory idle.
-M = 3 makes one pass over a block instead of two (0.90-0.92x the time), M = 8 three
-instead of four, and each weight vector loaded meets three x rows (0.96x the time
-at M = 5 and 8, 0.86-0.92x at 16 and 40). `_prefetching_tile` writes them in LLVM
-IR because a prefetch inside a numba loop stops LLVM from vectorizing it.
-Prefetching a whole share at once, between passes, was slower (README.md's 8 x 1 paragraph).
+With AVX2 a pass holds three x rows (a 4 x 3 tile of 8-lane sums: twelve sums, three
+x vectors and one w vector in the sixteen registers): M = 3 makes one pass over a
+block instead of two (0.90-0.92x the time), M = 8 three instead of four (0.96x the
+time at M = 5 and 8, 0.86-0.92x at 16 and 40). With AVX-512 a pass holds six (a
+4 x 6 tile of 16-lane sums in 31 of the 32 registers), and each weight vector loaded
+meets twice the x rows: over a forward's worth of the 1.5B's products on a 2-core
+Xeon, 0.93x the AVX2 tile's time at M = 8 and 0.87-0.93x at 16-40, the same at 1-3.
+`_prefetching_tile` writes the tiles in LLVM IR because a prefetch inside a numba
+loop stops LLVM from vectorizing it. Prefetching a whole share at once, between
+passes, was slower (README.md's 8 x 1 paragraph).
 
 Attention. Every short row of a step (a decode token, a verify chain or tree)
 attends to its own KV slot in one call: one parallel task per (row, KV head),
@@ -51,6 +56,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -64,7 +70,16 @@ NO_TREE = -1  # tree_offsets' value for a chain row
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-_V8 = ir.VectorType(_F32, 8)
+# The tile's vector width and x rows a pass: AVX-512's 32 registers hold 4 x 6 sums, six x vectors and one w
+# vector of 16 lanes; AVX2's 16 hold 4 x 3 sums of 8 lanes. numba's cache is per CPU, so each compiles its own.
+_AVX512 = bool(llvm.get_host_cpu_features().get("avx512f", False))
+_LANES, _LANE_BITS, _GROUP = (16, 4, 6) if _AVX512 else (8, 3, 3)
+_V = ir.VectorType(_F32, _LANES)
+# Products of up to this many rows run `matmul`; larger ones, oneDNN's GEMM (server/matmul.py), whose blocked
+# kernels reuse each weight over many more rows. Over a forward's worth of the 1.5B's products (1.1 GB, more
+# than the caches hold), oneDNN caught up at M = 24 on a 2-core AVX-512 Xeon and between 40 and 64 on a 2-core
+# AVX2 EPYC (`specedge-bench engine`'s kernel table).
+MAX_ROWS = 24 if _AVX512 else 48
 _I8P = ir.IntType(8).as_pointer()
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
@@ -82,7 +97,9 @@ def warm_up() -> None:
 
 
 def warm_up_matmul() -> None:
-    for rows, columns in ((3, 5), (4, 8), (8, 8)):  # the plain loops, the prefetching pairs, triples and a pair
+    # The plain loops, then prefetching passes of every size (AVX2: 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4,
+    # 4 + 4, 6 + 5).
+    for rows, columns in ((3, 5), (4, 2 * _LANES), (8, 2 * _LANES), (11, 2 * _LANES)):
         x, w = np.ones((rows, columns), np.float32), np.ones((6, columns), np.float32)
         y = np.empty((rows, 6), np.float32)
         matmul(x, w, y)
@@ -99,24 +116,22 @@ def matmul(x, w, y):
     m_rows, k = x.shape
     n = w.shape[0]
     pairs = m_rows // 2
-    prefetching = m_rows >= 3 and k >= 8 and k % 8 == 0  # the tile divides by k / 8
-    # Prefetching passes take x rows three at a time, then two (a third row left alone joins the last triple:
-    # 3 + 1 = 2 + 2), so that M = 3 is one pass over a block and M = 8 three, not two and four.
-    triples = m_rows // 3 - 1 if m_rows % 3 == 1 else m_rows // 3  # >= 0 wherever prefetching (m_rows >= 3)
-    passes = triples + (m_rows - 3 * triples) // 2
+    prefetching = m_rows >= 3 and k >= _LANES and k % _LANES == 0  # the tile divides by k / _LANES
+    # Prefetching passes take x rows up to _GROUP at a time, in groups as even as possible (AVX2: M = 8 is
+    # 3 + 3 + 2, M = 4 is 2 + 2), so that each weight vector loaded meets as many x rows as the registers hold.
+    passes = (m_rows + _GROUP - 1) // _GROUP
+    size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
     full_blocks = n // 4
-    # A pass's share of the next block's 4 k / 16 lines, at most k / 8 (one a step): M = 3's one pass takes half.
-    share = min((k // 4) // max(passes, 1), k // 8)
+    # A pass's share of the next block's 4 k / 16 lines, at most one a step: M <= _GROUP's one pass takes part.
+    share = min((k // 4) // passes, k // _LANES)
     for block in prange((n + 3) // 4):
         o = block * 4
         if o + 4 <= n:
             ahead = min(block + 1, full_blocks - 1) * 4 * k  # the last block prefetches itself, harmlessly
             if prefetching:
-                for t in range(triples):
-                    _dot_4x3_prefetching(x, 3 * t, w, o, y, ahead + t * share * 16, share)
-                for pair in range(passes - triples):
-                    m0 = 3 * triples + 2 * pair
-                    _dot_4x2_prefetching(x, m0, w, o, y, ahead + (triples + pair) * share * 16, share)
+                for group in range(passes):
+                    first = group * size + min(group, larger)
+                    _prefetching_pass(x, first, size + (group < larger), w, o, y, ahead + group * share * 16, share)
             else:
                 for pair in range(pairs):
                     dot_4x2(x, 2 * pair, 2 * pair + 1, w, o, 1, y, o)
@@ -150,28 +165,30 @@ def _prefetching_tile(columns):
             x_rows = [builder.gep(xs.data, [builder.mul(m, k)]) for m in rows]
             w_rows = [builder.gep(ws.data, [builder.mul(builder.add(o, _I64(j)), k)]) for j in range(4)]
             prefetched = builder.gep(ws.data, [ahead])
-            steps = builder.lshr(k, _I64(3))
+            steps = builder.lshr(k, _I64(_LANE_BITS))
             per_step = builder.sdiv(builder.shl(lines, _I64(16)), steps)  # lines a step, in 1/65536ths
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fmuladd.v8f32")
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V, [_V] * 3), f"llvm.fmuladd.v{_LANES}f32"
+            )
             prefetch = _llvm_prefetch(builder)
             entry = builder.block
             head, body, done = (builder.append_basic_block(name) for name in ("head", "body", "done"))
             builder.branch(head)
             builder.position_at_end(head)
             step = builder.phi(_I64)
-            sums = [builder.phi(_V8) for _ in range(4 * columns)]  # w row o against x rows m0.., then w row o + 1, ...
+            sums = [builder.phi(_V) for _ in range(4 * columns)]  # w row o against x rows m0.., then w row o + 1, ...
             builder.cbranch(builder.icmp_signed("<", step, steps), body, done)
 
             builder.position_at_end(body)
-            first = builder.shl(step, _I64(3))
+            first = builder.shl(step, _I64(_LANE_BITS))
 
             def load(row):
-                return builder.load(builder.bitcast(builder.gep(row, [first]), _V8.as_pointer()), align=4)
+                return builder.load(builder.bitcast(builder.gep(row, [first]), _V.as_pointer()), align=4)
 
             u = [load(row) for row in x_rows]
             p = [load(row) for row in w_rows]
             # Weight row by weight row: each w vector meets every x vector while those stay in registers
-            # (4 x 3 tile: twelve sums, three x vectors and one w, all sixteen registers).
+            # (AVX2's 4 x 3 tile: twelve sums, three x vectors and one w, all sixteen registers).
             new = [builder.call(fma, [u[i % columns], p[i // columns], total]) for i, total in enumerate(sums)]
             line = builder.ashr(builder.mul(step, per_step), _I64(16))
             address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, _I64(4))]), _I8P)
@@ -181,7 +198,7 @@ def _prefetching_tile(columns):
             step.add_incoming(_I64(0), entry)
             step.add_incoming(next_step, body)
             for total, updated in zip(sums, new):
-                total.add_incoming(ir.Constant(_V8, [0.0] * 8), entry)
+                total.add_incoming(ir.Constant(_V, [0.0] * _LANES), entry)
                 total.add_incoming(updated, body)
 
             builder.position_at_end(done)
@@ -196,8 +213,22 @@ def _prefetching_tile(columns):
     return tile
 
 
-_dot_4x2_prefetching = _prefetching_tile(2)
-_dot_4x3_prefetching = _prefetching_tile(3)  # twelve sums, three x vectors and one w vector: all 16 registers
+_tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
+
+
+@njit(inline="always", fastmath=True)
+def _prefetching_pass(x, m0, columns, w, o, y, ahead, lines):
+    """One pass of the tile for `columns` (2 .. _GROUP) x rows from m0."""
+    if columns == 2:
+        _tile_2(x, m0, w, o, y, ahead, lines)
+    elif columns == 3:
+        _tile_3(x, m0, w, o, y, ahead, lines)
+    elif columns == 4:
+        _tile_4(x, m0, w, o, y, ahead, lines)
+    elif columns == 5:
+        _tile_5(x, m0, w, o, y, ahead, lines)
+    else:
+        _tile_6(x, m0, w, o, y, ahead, lines)
 
 
 def _llvm_prefetch(builder):
@@ -207,13 +238,15 @@ def _llvm_prefetch(builder):
 
 
 def _horizontal_sum(builder, vector):
-    """The eight lanes' sum: halves added, then quarters, then the last two."""
-    for width in (4, 2, 1):
+    """The lanes' sum: halves added, then quarters, and so on to the last two."""
+    width = _LANES // 2
+    while width:
         low = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
         high = builder.shuffle_vector(
             vector, vector, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width)))
         )
         vector = builder.fadd(low, high)
+        width //= 2
     return builder.extract_element(vector, _I32(0))
 
 

@@ -1,6 +1,6 @@
 """The numba path's decoder layers: a whole layer in one compiled call (server/_forward_numba.py).
 
-On the `numba` matrix path, with `numba` attention, a step of up to NUMBA_MAX_ROWS
+On the `numba` matrix path, with `numba` attention, a step of up to numba_max_rows()
 tokens whose rows all take the attention kernel runs each layer as one call: the
 same product and attention kernels the modules call, with the norms, RoPE, KV
 writes, SiLU and residual adds compiled between them. The module path returned to
@@ -9,7 +9,7 @@ flushed by tens of megabytes of weights. On the 2-core EPYC of bench/results tha
 glue cost about 50 ms of a 300 ms 1 x 1 forward; compiled, 1 x 1 to 8 x 5 steps
 took 0.89-0.93x the modules' time (`specedge-bench engine`, the two in turn).
 
-Other steps (prefill chunks over NUMBA_MAX_ROWS tokens, rows too long for the
+Other steps (prefill chunks over numba_max_rows() tokens, rows too long for the
 attention kernel, tensor-parallel ranks, which all-reduce between a layer's halves)
 run the modules. Both compute the same layer; only rounding differs, as between
 the kernel and oneDNN's GEMM at the same boundary (server/matmul.py).
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from specedge.server.kernels import load_kernel
-from specedge.server.matmul import NUMBA_MAX_ROWS, PlainLinear
+from specedge.server.matmul import PlainLinear, numba_max_rows
 
 if TYPE_CHECKING:
     from specedge.server.model import CausalLM, StepBatch
@@ -75,7 +75,7 @@ class CompiledLayers:
         """Whether this step runs compiled: few enough tokens for the product kernel, every row in the
         attention kernel."""
         compiled = batch.compiled
-        return compiled is not None and not compiled.others and batch.token_ids.shape[0] <= NUMBA_MAX_ROWS
+        return compiled is not None and not compiled.others and batch.token_ids.shape[0] <= numba_max_rows()
 
     def __call__(
         self,

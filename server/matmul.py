@@ -4,10 +4,10 @@
   plain path, kept for comparison and wherever nothing faster applies.
 - `numba` (CPU, float32): the weights stay row-major, as loaded, in one copy (a
   tied LM head reads the embedding table itself). A product of up to
-  `NUMBA_MAX_ROWS` rows, every decode and verify step's, runs a numba kernel
-  that streams the weights at memory speed (server/_forward_numba.py); a larger
-  one (prefill) runs oneDNN's GEMM on the same plain weights, which measured as
-  fast as on its own packed layout. q/k/v and gate/up are fused as below.
+  `numba_max_rows()` rows (48 on AVX2, 24 on AVX-512), every decode step's and
+  most verify steps', runs a numba kernel that streams the weights at memory
+  speed (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on
+  the same plain weights, which measured as fast as on its own packed layout. q/k/v and gate/up are fused as below.
 - `onednn` (CPU, float32 or bfloat16): every projection's weight is reordered
   once, at load, into oneDNN's blocked layout, and the original is freed, so
   memory holds one copy (a tied LM head keeps the embedding table beside its
@@ -48,9 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MATMUL_KINDS = ("auto", "eager", "numba", "onednn")
-# Products of up to this many rows run the numba kernel; above, oneDNN's GEMM, which reuses each weight over more
-# rows. The kernel table of `specedge-bench engine` places the crossing between 40 and 64 rows on AVX2.
-NUMBA_MAX_ROWS = 48
 
 
 class PackedLinear(nn.Module):
@@ -75,7 +72,7 @@ class PackedLinear(nn.Module):
 
 class PlainLinear(nn.Module):
     """y = x @ W.T + b with W as loaded (row-major float32 on a CPU): the numba kernel for up to
-    NUMBA_MAX_ROWS rows, oneDNN's GEMM on the same weight for more."""
+    numba_max_rows() rows, oneDNN's GEMM on the same weight for more."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -88,7 +85,7 @@ class PlainLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).contiguous()
-        if x.shape[0] > NUMBA_MAX_ROWS:
+        if x.shape[0] > numba_max_rows():
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         else:
             compiled = numba_kernel()
@@ -108,6 +105,12 @@ class PlainLinear(nn.Module):
 def numba_kernel() -> ModuleType | None:
     """server/_forward_numba.py compiled, or None where numba is missing or fails to compile."""
     return load_kernel("_forward_numba", "matrix products take another path", "warm_up_matmul")
+
+
+def numba_max_rows() -> int:
+    """Products of up to this many rows run the numba kernel, larger ones oneDNN's GEMM (0: no kernel here)."""
+    compiled = numba_kernel()
+    return 0 if compiled is None else int(compiled.MAX_ROWS)
 
 
 def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -1,6 +1,6 @@
 """The numba path's compiled decoder layer (server/layer_kernel.py) against the modules it stands in for.
 
-On the numba path a step of up to NUMBA_MAX_ROWS tokens, every row short enough for
+On the numba path a step of up to numba_max_rows() tokens, every row short enough for
 the attention kernel, runs each layer in one compiled call. It must give every row
 the logits and the KV entries the modules give, on every supported family (qkv
 bias or none, per-head q/k norms, a decoupled head_dim, llama3 RoPE), and steps it
@@ -17,7 +17,7 @@ from specedge.registry import ResolvedModel
 from specedge.server import layer_kernel
 from specedge.server.attention import NUMBA_MAX_NEW
 from specedge.server.loading import load_target
-from specedge.server.matmul import NUMBA_MAX_ROWS
+from specedge.server.matmul import numba_max_rows
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from test_batched_forward import session_rounds
 
@@ -67,7 +67,7 @@ def _step(model, rows, *, compiled: bool) -> tuple[list[torch.Tensor], ModelRunn
 @given(rows=session_rounds(max_new=NUMBA_MAX_NEW))
 def test_compiled_layers_give_every_row_what_the_modules_give(model, calls, rows):
     """Random mixes of decode tokens, chains and trees over random prefixes: the same logits and KV entries."""
-    assume(sum(len(r.token_ids) for _, r in rows) <= NUMBA_MAX_ROWS)
+    assume(sum(len(r.token_ids) for _, r in rows) <= numba_max_rows())
     before = len(calls)  # one fixture for all of hypothesis's examples
     want, modules = _step(model, rows, compiled=False)
     assert len(calls) == before
@@ -81,9 +81,9 @@ def test_compiled_layers_give_every_row_what_the_modules_give(model, calls, rows
 
 
 def test_steps_the_compiled_layers_cannot_take_run_the_modules(model, calls):
-    """Over NUMBA_MAX_ROWS tokens (a prefill chunk), a row too long for the attention kernel, or the row-loop
+    """Over numba_max_rows() tokens (a prefill chunk), a row too long for the attention kernel, or the row-loop
     attention: each runs the modules, and gives what they give."""
-    width = NUMBA_MAX_ROWS // 4 + 1  # four short rows, over the product kernel's limit together
+    width = numba_max_rows() // 4 + 1  # four short rows, over the product kernel's limit together
     too_many = [((5, slot), ForwardRequest(slot, 2, tuple(range(slot, slot + width)))) for slot in range(4)]
     too_long = [((5,), ForwardRequest(0, 1, tuple(range(10, 11 + NUMBA_MAX_NEW)))), ((6,), ForwardRequest(1, 1, (7,)))]
     for rows in (too_many, too_long):

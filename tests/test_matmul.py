@@ -10,21 +10,22 @@ import torch
 from specedge.registry import ResolvedModel
 from specedge.server import matmul
 from specedge.server.loading import load_target
-from specedge.server.matmul import NUMBA_MAX_ROWS, PlainLinear, resolve_matmul
+from specedge.server.matmul import PlainLinear, numba_max_rows, resolve_matmul
 
 CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("out_features", [4, 7, 130])  # 7 and 130 leave a partial block of four weight rows
-@pytest.mark.parametrize("in_features", [48, 44])  # 44: no whole 8-lane steps, so no prefetching tile
+@pytest.mark.parametrize("in_features", [48, 44])  # 44: no whole 8- or 16-lane steps, so no prefetching tile
 def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, bias):
     torch.manual_seed(out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     plain = PlainLinear(linear.weight, linear.bias)
-    # Every row count mod 2 and mod 3 (the kernel pairs rows, and from three rows on prefetches in passes of three
-    # x rows and two), both sides of the kernel's limit, and a 3-d input.
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, NUMBA_MAX_ROWS, NUMBA_MAX_ROWS + 1, 97):
+    # Every row count mod 2 and mod 3 (the kernel pairs rows, and from three rows on prefetches in passes of two to
+    # three x rows, AVX-512: two to six), both sides of the kernel's limit, and a 3-d input.
+    limit = numba_max_rows()
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 23, limit, limit + 1, 97):
         x = torch.randn(rows, in_features)
         with torch.inference_mode():
             torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
