@@ -10,9 +10,9 @@ twelve seconds on the 2-core EPYC of bench/results.
 
 The matrix product. y = x @ w.T for float32 x [M, K] and w [N, K], both row-major:
 the layout the checkpoint already has, so no packed copy is made. Each thread takes
-blocks of four weight rows and walks x two or three rows at a time, so a weight row is read
-from memory once and then from cache, by each later pass. At M = 1-40 this reads the
-weights at the machine's memory speed, where oneDNN and MKL reach 50-85% of it
+blocks of four weight rows and walks x a few rows at a time, so a weight row is read
+from memory once and then from cache, by each later pass. At small M this reads the
+weights at or near the machine's memory speed, where oneDNN and MKL reach 50-85% of it
 (`specedge-bench engine`'s kernel table). Larger M are left to oneDNN, whose
 blocked GEMM reuses each weight over many more rows (MAX_ROWS). From three x rows
 on, passes take x up to _GROUP rows at a time, in groups as even as the rows allow,
