@@ -7,7 +7,8 @@
   `numba_max_rows()` rows (48 on AVX2, 24 on AVX-512), every decode step's and
   most verify steps', runs a numba kernel that streams the weights at memory
   speed (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on
-  the same plain weights, which measured as fast as on its own packed layout. q/k/v and gate/up are fused as below.
+  the same plain weights, which measured as fast as on its own packed layout.
+  q/k/v and gate/up are fused as below.
 - `onednn` (CPU, float32 or bfloat16): every projection's weight is reordered
   once, at load, into oneDNN's blocked layout, and the original is freed, so
   memory holds one copy (a tied LM head keeps the embedding table beside its
