@@ -77,14 +77,15 @@ _LANES, _LANE_BITS, _GROUP = (16, 4, 6) if _AVX512 else (8, 3, 3)
 _V = ir.VectorType(_F32, _LANES)
 # Products of up to this many rows run `matmul`; larger ones, oneDNN's GEMM (server/matmul.py), whose blocked
 # kernels reuse each weight over many more rows. Over a forward's worth of the 1.5B's products (1.1 GB, more
-# than the caches hold), oneDNN caught up at M = 24 on a 2-core AVX-512 Xeon and between 40 and 64 on a 2-core
-# AVX2 EPYC (`specedge-bench engine`'s kernel table).
-MAX_ROWS = 24 if _AVX512 else 48
+# than the caches hold), oneDNN caught up at M = 40 on a 2-core AVX-512 Xeon (x rows on cache lines: 103 ms
+# each at 40, oneDNN 0.90x at 48) and between 40 and 64 on a 2-core AVX2 EPYC.
+MAX_ROWS = 40 if _AVX512 else 48
 _I8P = ir.IntType(8).as_pointer()
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
 _SILU_CHUNK = 2048  # columns per parallel task
+_LINE = 64  # bytes in a cache line
 
 
 def warm_up() -> None:
@@ -583,6 +584,17 @@ def _silu_mul(gate_up, out):
             out[t, j] = gate * sigmoid * gate_up[t, inner + j]
 
 
+@njit(inline="always")
+def _lined_rows(num, width):
+    """np.empty((num, width), float32), starting on a cache line, as the product's x rows should: numba's own
+    arrays start 32 bytes into one, so that every 64-byte AVX-512 load from them straddles two lines (the
+    product took 1.09-1.14x the time at 32-40 rows on a 2-core Xeon, 1.01-1.06x at 8-24). Each row starts on
+    a line too where width is a multiple of 16, as every width of the models' products is."""
+    flat = np.empty(num * width + _LINE // 4, np.float32)
+    skip = ((_LINE - flat.ctypes.data % _LINE) % _LINE) // 4
+    return flat[skip : skip + num * width].reshape((num, width))
+
+
 @njit(fastmath=_FAST)
 def _add(x, y):
     for t in range(x.shape[0]):
@@ -625,7 +637,7 @@ def decoder_layer(
     """
     num, hidden = x.shape
     head_dim = k_cache.shape[3]
-    normed = np.empty_like(x)
+    normed = _lined_rows(num, hidden)
     _rms_norm_rows(x, input_norm, eps, normed)
     qkv = np.empty((num, qkv_weight.shape[0]), np.float32)
     matmul(normed, qkv_weight, qkv)
@@ -633,9 +645,9 @@ def decoder_layer(
         for t in range(num):
             for j in range(qkv.shape[1]):
                 qkv[t, j] += qkv_bias[j]
-    q = np.empty((num, num_heads, head_dim), np.float32)
+    q = _lined_rows(num, num_heads * head_dim).reshape((num, num_heads, head_dim))
     _positions(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, kv_slots, kv_positions, q)
-    attended = np.empty_like(q)
+    attended = _lined_rows(num, num_heads * head_dim).reshape((num, num_heads, head_dim))
     attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, attended)
     projected = np.empty_like(x)
     matmul(attended.reshape((num, num_heads * head_dim)), o_weight, projected)
@@ -643,7 +655,7 @@ def decoder_layer(
     _rms_norm_rows(x, post_norm, eps, normed)
     gate_up = np.empty((num, gate_up_weight.shape[0]), np.float32)
     matmul(normed, gate_up_weight, gate_up)
-    activated = np.empty((num, down_weight.shape[1]), np.float32)
+    activated = _lined_rows(num, down_weight.shape[1])
     _silu_mul(gate_up, activated)
     matmul(activated, down_weight, projected)
     _add(x, projected)

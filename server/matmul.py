@@ -4,7 +4,7 @@
   plain path, kept for comparison and wherever nothing faster applies.
 - `numba` (CPU, float32): the weights stay row-major, as loaded, in one copy (a
   tied LM head reads the embedding table itself). A product of up to
-  `numba_max_rows()` rows (48 on AVX2, 24 on AVX-512), every decode step's and
+  `numba_max_rows()` rows (48 on AVX2, 40 on AVX-512), every decode step's and
   most verify steps', runs a numba kernel that streams the weights at memory
   speed (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on
   the same plain weights, which measured as fast as on its own packed layout.

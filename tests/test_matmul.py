@@ -25,13 +25,25 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
     # Every row count mod 2 and mod 3 (the kernel pairs rows, and from three rows on prefetches in passes of two to
     # three x rows, AVX-512: two to six), both sides of the kernel's limit, and a 3-d input.
     limit = numba_max_rows()
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 23, limit, limit + 1, 97):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 23, 29, limit, limit + 1, 97):
         x = torch.randn(rows, in_features)
         with torch.inference_mode():
             torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
     with torch.inference_mode():
         x = torch.randn(2, 5, in_features)
         torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_the_compiled_layers_x_rows_start_on_cache_lines():
+    """numba's own arrays start 32 bytes into a cache line, where every AVX-512 load of an x row would straddle
+    two lines; the compiled layer's scratch for the products' x rows starts on one (server/_forward_numba.py)."""
+    kernel = matmul.numba_kernel()
+    if kernel is None:
+        pytest.skip("numba is not installed here")
+    for num, width in ((1, 1536), (6, 1536), (8, 2048), (40, 1536), (40, 8960)):
+        rows = kernel._lined_rows(num, width)
+        assert rows.shape == (num, width) and rows.flags.c_contiguous
+        assert rows.ctypes.data % 64 == 0
 
 
 def test_numba_path_keeps_one_copy_of_the_weights(tiny_llama3_dir):
