@@ -21,6 +21,7 @@ from specedge import noise
 # read from another file would stay stale there. So they are written out here, and tests/test_kernels.py checks
 # them against their sources.
 NO_TOKEN = -1  # server/race_kernel.py's NO_TOKEN
+NORM_IF_FEW, NORM_ALWAYS = 1, 2  # server/race_kernel.py's: argmax_and_race's `norming` codes
 _MIX = np.uint32(0x45D9F3B)  # specedge/noise.py's MIX_MULTIPLIER
 _UNIFORM_BITS = 23  # specedge/noise.py's UNIFORM_BITS
 _SHIFT = np.uint32(32 - _UNIFORM_BITS)
@@ -204,9 +205,11 @@ def argmax_and_race(
     override_starts,
     override_ids,
     override_weights,
+    norming,
     top,
     finite,
     winners,
+    norms,
 ):
     num_blocks = (logits.shape[1] + _BLOCK - 1) // _BLOCK
     for r in prange(rows.shape[0]):
@@ -218,10 +221,26 @@ def argmax_and_race(
             ids = override_ids[override_starts[r] : override_starts[r + 1]]
             weights = override_weights[override_starts[r] : override_starts[r + 1]]
             winners[r] = _race(row, top[r], block_max, temperature[r], floors[r], keys[r], token_hash, ids, weights)
+        norms[r] = np.nan
+        if norming[r] and finite[r]:
+            norms[r] = _log_norm(row, row[top[r]], block_max, temperature[r], floors[r], norming[r] == NORM_ALWAYS)
+
+
+@njit(parallel=True, cache=True)
+def log_norms(logits, rows, temperature, floors, out):
+    """out[r] = the log-normaliser of row rows[r] (see _log_norm), NaN where the row is not finite."""
+    num_blocks = (logits.shape[1] + _BLOCK - 1) // _BLOCK
+    for r in prange(rows.shape[0]):
+        row = logits[rows[r]]
+        block_max = np.empty(num_blocks, np.float32)
+        top, finite = _argmax(row.view(np.int32), block_max.view(np.int32))
+        out[r] = _log_norm(row, row[top], block_max, temperature[r], floors[r], True) if finite else np.nan
 
 
 # exp((logit - max) / T) below e**-64 adds nothing a float64 sum of <= 2**18 terms >= 1 can hold.
 _NEGLIGIBLE = np.float32(-64.0)
+# NORM_IF_FEW sums a row only where at most one block in this many has a logit that counts.
+_FEW = 8
 
 
 _LOG2E = np.float32(1.44269504088896341)
@@ -244,42 +263,27 @@ def _exp(x):
 
 
 # Sums in any order, so that the exponentials go eight at a time: a block's 256 terms in float32
-# lanes (each <= 1), the blocks in float64.
-@njit(parallel=True, cache=True, fastmath={"reassoc", "nsz", "arcp", "contract"})
-def log_norms(logits, rows, values, temperature, floors, out):
-    """out[r] = log sum exp((logit - max) / T) over the tokens of row rows[r] with logit >= floor.
-
-    A block whose highest logit is below the lowest that counts is skipped; the highest logits are
-    found for a block of each of the row's four quarters at a time, as _argmax reads them."""
-    num_tokens = logits.shape[1]
-    span = num_tokens // (4 * _BLOCK) * _BLOCK  # a quarter's whole blocks
-    for r in prange(rows.shape[0]):
-        row = logits[rows[r]]
-        top_logit, floor = values[r], floors[r]
-        lowest = max(floor, top_logit + _NEGLIGIBLE * temperature[r])
-        scale = np.float32(1.0) / temperature[r]
-        total = 0.0
-        for first in range(0, span, _BLOCK):
-            high0 = high1 = high2 = high3 = np.float32(-np.inf)
-            for j in range(first, first + _BLOCK):
-                high0, high1 = max(high0, row[np.uintp(j)]), max(high1, row[np.uintp(j + span)])
-                high2, high3 = max(high2, row[np.uintp(j + 2 * span)]), max(high3, row[np.uintp(j + 3 * span)])
-            for start, highest in (
-                (first, high0),
-                (first + span, high1),
-                (first + 2 * span, high2),
-                (first + 3 * span, high3),
-            ):
-                if highest >= lowest:
-                    total += _terms(row, start, start + _BLOCK, top_logit, scale, lowest)
-        for start in range(4 * span, num_tokens, _BLOCK):  # the blocks left over, the last perhaps partial
-            stop = min(start + _BLOCK, num_tokens)
-            highest = np.float32(-np.inf)
-            for j in range(start, stop):
-                highest = max(highest, row[np.uintp(j)])
-            if highest >= lowest:
-                total += _terms(row, start, stop, top_logit, scale, lowest)
-        out[r] = math.log(total)
+# lanes (each <= 1), the blocks in float64. A call of its own, not inlined, so that it keeps these flags.
+@njit(fastmath={"reassoc", "nsz", "arcp", "contract"})
+def _log_norm(row, top_logit, block_max, temperature, floor, always):
+    """log sum exp((logit - max) / T) over a finite row's tokens with logit >= floor, while the row is still
+    in cache from its argmax: a block whose max (block_max, from _argmax) is below the lowest logit that
+    counts is skipped. Unless `always`, NaN (not summed) where over one block in _FEW counts: a flat row's
+    exponentials cost about what reading it again does, so it waits until the caller knows it needs it."""
+    lowest = max(floor, top_logit + _NEGLIGIBLE * temperature)
+    if not always:
+        counting = 0
+        for block in range(block_max.shape[0]):
+            counting += block_max[block] >= lowest
+        if counting * _FEW > block_max.shape[0]:
+            return np.nan
+    scale = np.float32(1.0) / temperature
+    total = 0.0
+    for block in range(block_max.shape[0]):
+        if block_max[block] >= lowest:
+            start = block * _BLOCK
+            total += _terms(row, start, min(start + _BLOCK, row.shape[0]), top_logit, scale, lowest)
+    return math.log(total)
 
 
 @njit(inline="always", fastmath={"reassoc", "nsz", "arcp", "contract"})
@@ -299,6 +303,7 @@ def warm_up() -> None:
     one = np.ones(1, np.float32)
     table = noise.token_hash(np.arange(8, dtype=np.int64)).astype(np.uint32)
     out = np.zeros(1, np.int64)
+    norms = np.zeros(2)
     argmax_and_race(
         logits,
         out,
@@ -310,8 +315,12 @@ def warm_up() -> None:
         np.zeros(2, np.int64),
         np.zeros(0, np.int64),
         np.zeros(0, np.float32),
+        np.full(1, NORM_ALWAYS, np.uint8),
         out.copy(),
         np.zeros(1, np.bool_),
         out.copy(),
+        norms,
     )
-    log_norms(logits, out, one, one, -np.inf * one, np.zeros(1))
+    log_norms(logits, out, one, -np.inf * one, norms[1:])
+    if np.any(np.abs(norms - math.log(8.0)) > 1e-6):  # eight equal logits
+        raise RuntimeError(f"the compiled log-normaliser is wrong: {norms}")

@@ -37,6 +37,9 @@ from specedge import noise
 from specedge.server.kernels import load_kernel
 
 NO_TOKEN = -1  # a race in which no token has a finite score (every weight overridden to zero)
+# argmax_and_race's `norming` codes: no normaliser (0); one where the row is peaked, where few of its
+# tokens count (NORM_IF_FEW: a flat row's exponentials cost about what reading it again does); one always.
+NORM_IF_FEW, NORM_ALWAYS = 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +78,13 @@ def argmax_and_race(
     floors: torch.Tensor,  # [R] float64: tokens with logit < floor are excluded
     keys: torch.Tensor,  # [R] int64 noise keys (< 2**32)
     overrides: Overrides | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [R] int64 argmax, [R] bool finite, [R] int64 draw
+    norming: np.ndarray | None = None,  # [R] uint8: 0, NORM_IF_FEW or NORM_ALWAYS (None: all 0)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's argmax (ties to the lowest id), whether its max is finite (no NaN, no +-inf max),
-    and its draw: the race's winner where racing, else the argmax; NO_TOKEN where nothing could win."""
+    its draw: the race's winner where racing, else the argmax; NO_TOKEN where nothing could win, and,
+    as `norming` asks, log sum exp((logit - max) / T) over its tokens with logit >= floor (float64; NaN
+    where not summed and in a row that is not finite). The normaliser is summed while the row is still
+    in cache from its argmax, skipping the blocks whose weight a float64 sum cannot see."""
     compiled = kernel()
     values = logits.detach().contiguous().numpy()
     row_index = np.arange(values.shape[0], dtype=np.int64) if rows is None else rows.numpy().astype(np.int64)
@@ -86,6 +93,8 @@ def argmax_and_race(
     top = np.empty(num_rows, np.int64)
     finite = np.empty(num_rows, np.bool_)
     winners = np.empty(num_rows, np.int64)
+    norms = np.empty(num_rows, np.float64)
+    norming = np.zeros(num_rows, np.uint8) if norming is None else np.ascontiguousarray(norming, np.uint8)
     compiled.set_threads(torch.get_num_threads())
     compiled.argmax_and_race(
         values,
@@ -98,28 +107,28 @@ def argmax_and_race(
         overrides.starts,
         overrides.token_ids,
         overrides.log_weights,
+        norming,
         top,
         finite,
         winners,
+        norms,
     )
-    return torch.from_numpy(top), torch.from_numpy(finite), torch.from_numpy(winners)
+    return torch.from_numpy(top), torch.from_numpy(finite), torch.from_numpy(winners), torch.from_numpy(norms)
 
 
 def log_norms(
     logits: torch.Tensor,  # [L, V] float32 on CPU
     rows: torch.Tensor,  # [R] int64
-    values: torch.Tensor,  # [R] each row's max logit
     temperature: torch.Tensor,  # [R] float64 > 0
     floors: torch.Tensor,  # [R] float64
 ) -> torch.Tensor:  # [R] float64: log sum exp((logit - max) / T) over the tokens with logit >= floor
-    """The log-normaliser of p at each row, skipping the tokens whose weight a float64 sum cannot see."""
+    """The log-normaliser of p at each row, as argmax_and_race's NORM_ALWAYS sums it (NaN where not finite)."""
     compiled = kernel()
     out = np.empty(len(rows), np.float64)
     compiled.set_threads(torch.get_num_threads())
     compiled.log_norms(
         logits.detach().contiguous().numpy(),
         rows.numpy().astype(np.int64),
-        values.float().numpy(),
         temperature.float().clamp_min(torch.finfo(torch.float32).tiny).numpy(),
         floors.float().numpy(),
         out,

@@ -86,6 +86,7 @@ def test_the_race_kernels_written_out_constants_match_their_sources():
     assert int(kernel._MIX) == noise.MIX_MULTIPLIER
     assert kernel._UNIFORM_BITS == noise.UNIFORM_BITS
     assert kernel.NO_TOKEN == race_kernel.NO_TOKEN
+    assert (kernel.NORM_IF_FEW, kernel.NORM_ALWAYS) == (race_kernel.NORM_IF_FEW, race_kernel.NORM_ALWAYS)
 
 
 def test_a_second_process_loads_the_forward_kernels_from_the_cache():

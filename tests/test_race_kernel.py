@@ -105,14 +105,17 @@ def test_argmax_and_finiteness_match_torch():
     logits[5] = 0.0
     logits[5, :3] = -0.0  # -0.0 == 0.0: the first zero is the argmax
     logits[6, 999] = -math.nan
-    top, finite, drawn = race_kernel.argmax_and_race(
+    top, finite, drawn, norms = race_kernel.argmax_and_race(
         logits,
         None,
         np.zeros(8, np.bool_),
         torch.ones(8, dtype=torch.float64),
-        torch.zeros(8, dtype=torch.float64),
+        torch.full((8,), -math.inf, dtype=torch.float64),
         torch.zeros(8, dtype=torch.long),
+        norming=np.full(8, race_kernel.NORM_ALWAYS, np.uint8),
     )
+    # A row whose max is not finite has no normaliser; the others do, over their finite tokens.
+    assert [math.isnan(norm) for norm in norms.tolist()] == [not ok for ok in finite.tolist()]
     values, expected = logits.max(dim=-1)
     assert finite.tolist() == torch.isfinite(values).tolist() == [True, False, False, False, True, True, False, True]
     assert [t for t, ok in zip(top.tolist(), finite.tolist()) if ok] == expected[finite].tolist()
@@ -156,17 +159,42 @@ def test_the_kernels_exponential_is_within_a_float32_rounding():
 
 @pytest.mark.parametrize("temperature", [1e-39, 0.8, 1.0, 1e3])
 def test_log_norms_are_float64_logsumexp(temperature):
-    """The vectorized sum (float32 exponentials and lanes) against torch's float64 logsumexp."""
+    """The argmax pass's log-normalisers where asked for: the vectorized sum (float32 exponentials and
+    lanes) against torch's float64 logsumexp."""
     generator = torch.Generator().manual_seed(10)
     logits = torch.randn(24, 20_000, generator=generator) * torch.tensor([0.3, 3.0, 30.0] * 8)[:, None]
     logits[3, :5000] = -math.inf
     temperatures = torch.full((24,), temperature, dtype=torch.float64)
     floors = logit_floors(logits, temperatures, [0, 0, 0, 40, 1, 5000] * 4, [1.0] * 24)
     values = logits.max(dim=-1).values
-    compiled = race_kernel.log_norms(logits, torch.arange(24), values, temperatures, floors)
+    norming = torch.arange(24) % 5 != 2  # rows not asked for get none
+    codes = norming.numpy().astype(np.uint8) * race_kernel.NORM_ALWAYS
+    keys = torch.zeros(24, dtype=torch.long)
+    racing = np.zeros(24, np.bool_)
+    compiled = race_kernel.argmax_and_race(logits, None, racing, temperatures, floors, keys, None, codes)[3]
+    assert compiled[~norming].isnan().all()
     shifted = (logits.double() - values[:, None].double()) / max(temperature, torch.finfo(torch.float32).tiny)
     exact = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).logsumexp(dim=-1)
-    torch.testing.assert_close(compiled, exact, rtol=0, atol=1e-6)
+    torch.testing.assert_close(compiled[norming], exact[norming], rtol=0, atol=1e-6)
+
+
+def test_a_flat_row_is_normed_in_the_argmax_pass_only_when_always_asked():
+    """NORM_IF_FEW sums a peaked row (few blocks hold a logit that counts) and leaves a flat one NaN, for the
+    walk to sum if it gets there; NORM_ALWAYS sums both. The standalone kernel sums the same."""
+    generator = torch.Generator().manual_seed(12)
+    logits = torch.randn(4, 20_000, generator=generator)  # rows 2 and 3: flat
+    logits[:2] = -200.0
+    logits[:2, 5000:5010] = torch.randn(2, 10, generator=generator)  # rows 0 and 1: one block counts
+    temperature = torch.ones(4, dtype=torch.float64)
+    floors = torch.full((4,), -math.inf, dtype=torch.float64)
+    codes = np.array([race_kernel.NORM_IF_FEW, race_kernel.NORM_ALWAYS] * 2, np.uint8)
+    keys = torch.zeros(4, dtype=torch.long)
+    norms = race_kernel.argmax_and_race(logits, None, np.zeros(4, np.bool_), temperature, floors, keys, None, codes)[3]
+    exact = (logits.double() - logits.double().amax(dim=-1, keepdim=True)).logsumexp(dim=-1)
+    assert norms[2].isnan()
+    torch.testing.assert_close(norms[[0, 1, 3]], exact[[0, 1, 3]], rtol=0, atol=1e-6)
+    standalone = race_kernel.log_norms(logits, torch.arange(4), temperature, floors)
+    torch.testing.assert_close(standalone, exact, rtol=0, atol=1e-6)
 
 
 def test_draw_rows_agree_on_the_compiled_and_the_eager_path():
