@@ -321,10 +321,6 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _neighbours(args: argparse.Namespace) -> int:
     from .neighbours import NeighboursConfig, run_neighbours, summary, write
 
@@ -342,3 +338,7 @@ def _neighbours(args: argparse.Namespace) -> int:
     print(summary(results))
     print(f"wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
