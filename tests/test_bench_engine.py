@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -229,3 +231,12 @@ def test_bad_engine_options_end_in_one_line(capsys, tmp_path):
     assert len(lines) == 6 and all(line.startswith("specedge-bench: ") for line in lines), lines
     assert "--steps wants ROWSxTOKENS" in lines[0] and "--matmul takes eager and/or onednn and/or numba" in lines[1]
     assert "--dtype takes float32 or bfloat16" in lines[2] and "no such model" in lines[5]
+
+
+def test_the_bench_runs_as_a_module(tmp_path):
+    """`python -m specedge.bench.cli` runs a command as the console script does (its guard once preceded a
+    command's function, so every command run that way died with a NameError)."""
+    command = [sys.executable, "-m", "specedge.bench.cli", "engine", "--target", str(tmp_path / "nowhere")]
+    done = subprocess.run([*command, "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("specedge-bench: "), done.stderr
+    assert "no such model" in done.stderr and "Traceback" not in done.stderr
