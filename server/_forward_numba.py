@@ -588,7 +588,7 @@ def _silu_mul(gate_up, out):
 def _lined_rows(num, width):
     """np.empty((num, width), float32), starting on a cache line, as the product's x rows should: numba's own
     arrays start 32 bytes into one, so that every 64-byte AVX-512 load from them straddles two lines (the
-    product took 1.09-1.14x the time at 32-40 rows on a 2-core Xeon, 1.01-1.06x at 8-24). Each row starts on
+    product took 1.09-1.15x the time at 32-40 rows on a 2-core Xeon, 1.00-1.07x at 8-24). Each row starts on
     a line too where width is a multiple of 16, as every width of the models' products is."""
     flat = np.empty(num * width + _LINE // 4, np.float32)
     skip = ((_LINE - flat.ctypes.data % _LINE) % _LINE) // 4
