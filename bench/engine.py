@@ -7,8 +7,8 @@ Measured one after the other in this process (CPU only):
 
 1. the limits: memory stream bandwidth (a sum over a --stream-gb float32 tensor) and the peak GEMM rate
    (oneDNN's packed linear and eager F.linear, on a weight of the model's MLP shape, at M = --gemm-m);
-   the same weight at the small M of verify rounds (--kernel-m) on four kernels: eager, oneDNN-packed (as
-   the server packs, for one row, and laid out for 16-row batches),
+   the same weight at the small M of verify rounds (--kernel-m) on four kernels: eager, oneDNN-packed (laid
+   out for 1-row and for 16-row batches; the server packs for server/matmul.py's layout_rows()),
    and inductor's compiled product with frozen weights (the alternative the packed path was chosen over);
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1; where attention is compiled (numba,
@@ -55,8 +55,8 @@ from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.types import SamplingParams, SparseDist
 
 PATHS = ("eager", "onednn", "numba")
-KERNELS = ("eager", "onednn", "onednn@16", "inductor", "numba")  # matrix kernels compared at small M
-# onednn: packed as the server packs (for one row); onednn@16: laid out for 16-row batches; inductor: frozen
+KERNELS = ("eager", "onednn@1", "onednn@16", "inductor", "numba")  # matrix kernels compared at small M
+# onednn@1, @16: packed for 1-row and for 16-row batches (the server packs for layout_rows()); inductor: frozen
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_STEPS = ("1x1", "1x5", "8x1", "8x5", "16x5", "7x5+p120", "p155")
 HOST_TOKENS_PER_ROW = 5  # a verify round: the pending token and 4 drafts
@@ -250,8 +250,11 @@ def stream_bandwidth(gb: float, repeats: int) -> dict:
 
 
 def _stream_readers(table: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """Reads of every byte of a [rows, columns] table: torch's sum, and where numba takes its dtype, the kernel's
-    one-row product over it (which reads each byte once)."""
+    """Reads of every byte of a [rows, columns] table, as float32 whatever it holds (torch's bfloat16 sum reads
+    at two thirds of the stream, which made a bfloat16 forward look faster than its roofline): torch's sum, and
+    where numba compiles, the kernel's one-row product over it (which reads each byte once)."""
+    if table.dtype != torch.float32:
+        table = table.contiguous().view(torch.float32)  # [rows, bytes a row / 4]: the same bytes
     readers: dict[str, Callable[[], object]] = {"torch sum": table.sum}
     if numba_unavailable(torch.device("cpu"), table.dtype) is None:
         readers["numba product, M=1"] = functools.partial(PlainLinear(table, None), torch.ones(1, table.shape[1]))
@@ -309,7 +312,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     flush = torch.ones(CACHE_FLUSH_BYTES // 4).sum
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor] | str] = {"eager": linear}
     why_not = onednn_unavailable(torch.device("cpu"), dtype)
-    kernels["onednn"] = why_not or PackedLinear(linear.weight, None)
+    kernels["onednn@1"] = why_not or PackedLinear(linear.weight, None, rows=1)
     kernels["onednn@16"] = why_not or PackedLinear(linear.weight, None, rows=16)
     kernels["numba"] = numba_unavailable(torch.device("cpu"), dtype) or PlainLinear(linear.weight, None)
     rows, compile_s = [], {}

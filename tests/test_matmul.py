@@ -10,7 +10,7 @@ import torch
 from specedge.registry import ResolvedModel
 from specedge.server import matmul
 from specedge.server.loading import load_target
-from specedge.server.matmul import PlainLinear, numba_max_rows, resolve_matmul
+from specedge.server.matmul import PackedLinear, PlainLinear, layout_rows, numba_max_rows, resolve_matmul
 
 CPU = torch.device("cpu")
 
@@ -32,6 +32,25 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
     with torch.inference_mode():
         x = torch.randn(2, 5, in_features)
         torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_the_linear_it_replaces_in_either_layout(dtype):
+    if matmul.onednn_unavailable(CPU, dtype) is not None:
+        pytest.skip(matmul.onednn_unavailable(CPU, dtype))
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 130, dtype=dtype)
+    # The default layout: 16 rows for bfloat16 and on AVX-512, else 1; both layouts must compute the same product.
+    assert layout_rows(dtype) == (
+        16 if dtype == torch.bfloat16 or "AVX512" in torch.backends.cpu.get_cpu_capability() else 1
+    )
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for layout in (None, 1, 16):
+        packed = PackedLinear(linear.weight, linear.bias, rows=layout)
+        for rows in (1, 5, 16, 40, 97):
+            x = torch.randn(rows, 96, dtype=dtype)
+            with torch.inference_mode():
+                torch.testing.assert_close(packed(x), linear(x), **tolerance)
 
 
 def test_the_compiled_layers_x_rows_start_on_cache_lines():
