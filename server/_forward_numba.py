@@ -25,6 +25,12 @@ time at M = 5 and 8, 0.86-0.92x at 16 and 40). With AVX-512 a pass holds six (a
 4 x 6 tile of 16-lane sums in 31 of the 32 registers), and each weight vector loaded
 meets twice the x rows: over a forward's worth of the 1.5B's products on a 2-core
 Xeon, 0.93x the AVX2 tile's time at M = 8 and 0.87-0.93x at 16-40, the same at 1-3.
+Two AVX-512 cases differ. Where one pass takes every row (M = 3-6) it prefetches two
+lines a step, half the next block rather than a quarter. And M = 7-8 take blocks of
+three weight rows in one pass (a 3 x 8 tile: 24 sums, three w vectors held, x loaded
+vector by vector), not blocks of four in two passes, so no pass reads its block from
+cache while the memory waits. Whole forwards of the 1.5B on the 2-core Xeon, each
+against the four-row tiles in turn: 1 x 5 0.95x, 8 x 1 0.93-0.95x.
 `_prefetching_tile` writes the tiles in LLVM IR because a prefetch inside a numba
 loop stops LLVM from vectorizing it. Prefetching a whole share at once, between
 passes, was slower (README.md's 8 x 1 paragraph).
@@ -81,6 +87,7 @@ _V = ir.VectorType(_F32, _LANES)
 # each at 40, oneDNN 0.90x at 48) and between 40 and 64 on a 2-core AVX2 EPYC.
 MAX_ROWS = 40 if _AVX512 else 48
 _I8P = ir.IntType(8).as_pointer()
+_LONE_LINES = 2 if _AVX512 else 1  # lines a step of a lone pass (one pass takes every x row) may prefetch
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
@@ -98,9 +105,9 @@ def warm_up() -> None:
 
 
 def warm_up_matmul() -> None:
-    # The plain loops, then prefetching passes of every size (AVX2: 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4,
-    # 4 + 4, 6 + 5).
-    for rows, columns in ((3, 5), (4, 2 * _LANES), (8, 2 * _LANES), (11, 2 * _LANES)):
+    # The plain loops, then prefetching passes of every size (AVX2: 2 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2;
+    # AVX-512: 4 alone, the 3 x 7 and 3 x 8 tiles, 6 + 5).
+    for rows, columns in ((3, 5), (4, 2 * _LANES), (7, 2 * _LANES), (8, 2 * _LANES), (11, 2 * _LANES)):
         x, w = np.ones((rows, columns), np.float32), np.ones((6, columns), np.float32)
         y = np.empty((rows, 6), np.float32)
         matmul(x, w, y)
@@ -124,12 +131,17 @@ def matmul(x, w, y):
     size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
     full_blocks = n // 4
     # A pass's share of the next block's 4 k / 16 lines, at most one a step: M <= _GROUP's one pass takes part.
-    share = min((k // 4) // passes, k // _LANES)
+    share = min((k // 4) // passes, (_LONE_LINES if passes == 1 else 1) * (k // _LANES))
+    if _AVX512 and prefetching and (m_rows == 7 or m_rows == 8):
+        _three_row_blocks(x, w, y)
+        return
     for block in prange((n + 3) // 4):
         o = block * 4
         if o + 4 <= n:
             ahead = min(block + 1, full_blocks - 1) * 4 * k  # the last block prefetches itself, harmlessly
-            if prefetching:
+            if prefetching and passes == 1:
+                _lone_pass(x, m_rows, w, o, y, ahead, share)
+            elif prefetching:
                 for group in range(passes):
                     first = group * size + min(group, larger)
                     _prefetching_pass(x, first, size + (group < larger), w, o, y, ahead + group * share * 16, share)
@@ -139,19 +151,46 @@ def matmul(x, w, y):
                 if m_rows % 2:
                     dot_4x1(x, m_rows - 1, w, o, 1, y, o)
         else:  # the last 1-3 weight rows
-            for j in range(o, n):
-                for m in range(m_rows):
-                    acc = _ZERO
-                    for i in range(k):
-                        acc += x[m, i] * w[j, i]
-                    y[m, j] = acc
+            _dot_rows(x, w, o, y)
 
 
-def _prefetching_tile(columns):
-    """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + 4] = those rows of x [M, K]
-    . rows o..o + 3 of w [N, K] (float32, C order, K a multiple of 8), eight lanes a step, while prefetching `lines`
-    (<= K / 8) 64-byte lines from w.ravel()[ahead:], evenly spread over the steps. dot_4x2's loop for `columns` x
-    rows, written in IR so that the prefetch does not stop it vectorizing."""
+@njit(parallel=True, fastmath=True, cache=True)
+def _three_row_blocks(x, w, y):
+    """matmul for M = 7 or 8 on AVX-512 (K a multiple of 16): blocks of three weight rows, each in one pass of the
+    3 x M tile, which prefetches two thirds of the next block, two lines a step."""
+    m_rows, k = x.shape
+    n = w.shape[0]
+    full_blocks = n // 3
+    lines = min(3 * k // 16, 2 * (k // _LANES))
+    for block in prange((n + 2) // 3):
+        o = block * 3
+        if o + 3 <= n:
+            ahead = min(block + 1, full_blocks - 1) * 3 * k  # the last block prefetches itself, harmlessly
+            if m_rows == 8:
+                _tile_3x8(x, 0, w, o, y, ahead, lines)
+            else:
+                _tile_3x7(x, 0, w, o, y, ahead, lines)
+        else:  # the last 1-2 weight rows
+            _dot_rows(x, w, o, y)
+
+
+@njit(inline="always", fastmath=True)
+def _dot_rows(x, w, first, y):
+    """y[:, first:] = x . w[first:].T, one dot product at a time: the last few weight rows, past the whole blocks."""
+    for j in range(first, w.shape[0]):
+        for m in range(x.shape[0]):
+            acc = _ZERO
+            for i in range(x.shape[1]):
+                acc += x[m, i] * w[j, i]
+            y[m, j] = acc
+
+
+def _prefetching_tile(columns, prefetches=1, w_rows=4):
+    """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + w_rows] = those rows of x
+    [M, K] . rows o..o + w_rows - 1 of w [N, K] (float32, C order, K a multiple of the lanes), a vector a step,
+    while prefetching `lines` (<= prefetches * K / lanes) 64-byte lines from w.ravel()[ahead:], evenly spread over
+    the steps, `prefetches` instructions a step. dot_4x2's loop for `columns` x rows, written in IR so that the
+    prefetch does not stop it vectorizing."""
 
     @intrinsic
     def tile(typingctx, x, m0, w, o, y, ahead, lines):
@@ -164,10 +203,11 @@ def _prefetching_tile(columns):
             k, n = builder.extract_value(xs.shape, 1), builder.extract_value(ys.shape, 1)
             rows = [builder.add(m0, _I64(c)) for c in range(columns)]
             x_rows = [builder.gep(xs.data, [builder.mul(m, k)]) for m in rows]
-            w_rows = [builder.gep(ws.data, [builder.mul(builder.add(o, _I64(j)), k)]) for j in range(4)]
+            w_ptrs = [builder.gep(ws.data, [builder.mul(builder.add(o, _I64(j)), k)]) for j in range(w_rows)]
             prefetched = builder.gep(ws.data, [ahead])
             steps = builder.lshr(k, _I64(_LANE_BITS))
-            per_step = builder.sdiv(builder.shl(lines, _I64(16)), steps)  # lines a step, in 1/65536ths
+            slots = builder.mul(steps, _I64(prefetches))
+            per_slot = builder.sdiv(builder.shl(lines, _I64(16)), slots)  # lines a prefetch, in 1/65536ths
             fma = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V, [_V] * 3), f"llvm.fmuladd.v{_LANES}f32"
             )
@@ -177,7 +217,7 @@ def _prefetching_tile(columns):
             builder.branch(head)
             builder.position_at_end(head)
             step = builder.phi(_I64)
-            sums = [builder.phi(_V) for _ in range(4 * columns)]  # w row o against x rows m0.., then w row o + 1, ...
+            sums = [builder.phi(_V) for _ in range(w_rows * columns)]  # w row o against x rows m0.., then o + 1, ...
             builder.cbranch(builder.icmp_signed("<", step, steps), body, done)
 
             builder.position_at_end(body)
@@ -186,14 +226,25 @@ def _prefetching_tile(columns):
             def load(row):
                 return builder.load(builder.bitcast(builder.gep(row, [first]), _V.as_pointer()), align=4)
 
-            u = [load(row) for row in x_rows]
-            p = [load(row) for row in w_rows]
-            # Weight row by weight row: each w vector meets every x vector while those stay in registers
-            # (AVX2's 4 x 3 tile: twelve sums, three x vectors and one w, all sixteen registers).
-            new = [builder.call(fma, [u[i % columns], p[i // columns], total]) for i, total in enumerate(sums)]
-            line = builder.ashr(builder.mul(step, per_step), _I64(16))
-            address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, _I64(4))]), _I8P)
-            builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
+            if w_rows == 4:
+                # Weight row by weight row: each w vector meets every x vector while those stay in registers
+                # (AVX2's 4 x 3 tile: twelve sums, three x vectors and one w, all sixteen registers).
+                u = [load(row) for row in x_rows]
+                p = [load(row) for row in w_ptrs]
+                new = [builder.call(fma, [u[i % columns], p[i // columns], total]) for i, total in enumerate(sums)]
+            else:
+                # x row by x row: the w vectors stay in registers (3 x 8: 24 sums, three w vectors and one x).
+                p = [load(row) for row in w_ptrs]
+                new = list(sums)
+                for c, row in enumerate(x_rows):
+                    u = load(row)
+                    for j in range(w_rows):
+                        new[j * columns + c] = builder.call(fma, [u, p[j], sums[j * columns + c]])
+            for i in range(prefetches):
+                slot = builder.add(builder.mul(step, _I64(prefetches)), _I64(i))
+                line = builder.ashr(builder.mul(slot, per_slot), _I64(16))
+                address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, _I64(4))]), _I8P)
+                builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
             next_step = builder.add(step, _I64(1))
             builder.branch(head)
             step.add_incoming(_I64(0), entry)
@@ -215,6 +266,8 @@ def _prefetching_tile(columns):
 
 
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
+_lone_3, _lone_4, _lone_5, _lone_6 = (_prefetching_tile(columns, _LONE_LINES) for columns in range(3, 7))
+_tile_3x7, _tile_3x8 = (_prefetching_tile(columns, 2, 3) for columns in (7, 8))
 
 
 @njit(inline="always", fastmath=True)
@@ -230,6 +283,19 @@ def _prefetching_pass(x, m0, columns, w, o, y, ahead, lines):
         _tile_5(x, m0, w, o, y, ahead, lines)
     else:
         _tile_6(x, m0, w, o, y, ahead, lines)
+
+
+@njit(inline="always", fastmath=True)
+def _lone_pass(x, columns, w, o, y, ahead, lines):
+    """The one pass of a block for all `columns` (3 .. _GROUP) x rows, _LONE_LINES prefetches a step."""
+    if columns == 3:
+        _lone_3(x, 0, w, o, y, ahead, lines)
+    elif columns == 4:
+        _lone_4(x, 0, w, o, y, ahead, lines)
+    elif columns == 5:
+        _lone_5(x, 0, w, o, y, ahead, lines)
+    else:
+        _lone_6(x, 0, w, o, y, ahead, lines)
 
 
 def _llvm_prefetch(builder):

@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("out_features", [4, 7, 130])  # 7 and 130 leave a partial block of four weight rows
+@pytest.mark.parametrize("out_features", [4, 6, 7, 130])  # partial blocks of 4 and of 3 rows
 @pytest.mark.parametrize("in_features", [48, 44])  # 44: no whole 8- or 16-lane steps, so no prefetching tile
 def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, bias):
     torch.manual_seed(out_features)
