@@ -25,12 +25,14 @@ time at M = 5 and 8, 0.86-0.92x at 16 and 40). With AVX-512 a pass holds six (a
 4 x 6 tile of 16-lane sums in 31 of the 32 registers), and each weight vector loaded
 meets twice the x rows: over a forward's worth of the 1.5B's products on a 2-core
 Xeon, 0.93x the AVX2 tile's time at M = 8 and 0.87-0.93x at 16-40, the same at 1-3.
-Two AVX-512 cases differ. Where one pass takes every row (M = 3-6) it prefetches two
-lines a step, half the next block rather than a quarter. And M = 7-8 take blocks of
-three weight rows in one pass (a 3 x 8 tile: 24 sums, three w vectors held, x loaded
-vector by vector), not blocks of four in two passes, so no pass reads its block from
-cache while the memory waits. Whole forwards of the 1.5B on the 2-core Xeon, each
-against the four-row tiles in turn: 1 x 5 0.95x, 8 x 1 0.93-0.95x.
+On AVX-512 the passes themselves change. Where one pass takes every row (M = 3-6) it
+prefetches two lines a step, half the next block rather than a quarter. M = 7-8 take
+blocks of three weight rows in one pass (a 3 x 8 tile: 24 sums, three w vectors held,
+x loaded vector by vector), not blocks of four in two passes, so no pass reads its
+block from cache while the memory waits. And from M = 9 on every pass walks a block a
+K chunk at a time (_chunked_passes), so that the block streams in throughout. Whole
+forwards of the 1.5B on the 2-core Xeon, in turn with the kernel before each change:
+1 x 5 0.92-0.95x and 8 x 1 0.92-0.95x; 2 x 5 to 5 x 5 0.93-0.95x, 8 x 5 0.99x.
 `_prefetching_tile` writes the tiles in LLVM IR because a prefetch inside a numba
 loop stops LLVM from vectorizing it. Prefetching a whole share at once, between
 passes, was slower (README.md's 8 x 1 paragraph).
@@ -93,6 +95,7 @@ _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in 
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
 _SILU_CHUNK = 2048  # columns per parallel task
 _LINE = 64  # bytes in a cache line
+_STRIPES = 64  # runs of blocks the chunked passes share among the threads
 
 
 def warm_up() -> None:
@@ -134,6 +137,9 @@ def matmul(x, w, y):
     share = min((k // 4) // passes, (_LONE_LINES if passes == 1 else 1) * (k // _LANES))
     if _AVX512 and prefetching and (m_rows == 7 or m_rows == 8):
         _three_row_blocks(x, w, y)
+        return
+    if _AVX512 and prefetching and passes > 1:
+        _chunked_passes(x, w, y)
         return
     for block in prange((n + 3) // 4):
         o = block * 4
@@ -185,6 +191,64 @@ def _dot_rows(x, w, first, y):
             y[m, j] = acc
 
 
+@njit(parallel=True, fastmath=True, cache=True)
+def _chunked_passes(x, w, y):
+    """matmul for M > _GROUP on AVX-512 (K a multiple of 16): each block of four weight rows is walked a K chunk
+    at a time, every pass over the chunk before the next chunk, its sums kept in a scratch between chunks. So the
+    block streams in throughout, not only in the first of its passes, and the later passes read the chunk from L1
+    (in turn with whole passes over every product of the 1.5B on a 2-core Xeon: M = 9-28 0.91-0.97x, M = 40
+    0.97x). 256 floats a chunk up to four passes; 512 beyond, where the sums' loads and stores weigh more."""
+    m_rows, k = x.shape
+    n = w.shape[0]
+    passes = (m_rows + _GROUP - 1) // _GROUP
+    size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
+    full_blocks = n // 4
+    chunk = 256 if passes <= 4 else 512
+    chunks = (k + chunk - 1) // chunk
+    # A call's share of the next block's k / 4 lines, spread over the block's calls, at most one a step.
+    share = min((k // 4 + chunks * passes - 1) // (chunks * passes), (k - (chunks - 1) * chunk) // _LANES)
+    for stripe in prange(_STRIPES):  # runs of blocks, each with one scratch for its sums
+        sums = _lined_rows(passes * 4 * _GROUP, _LANES)
+        for block in range(full_blocks * stripe // _STRIPES, full_blocks * (stripe + 1) // _STRIPES):
+            o = block * 4
+            ahead = min(block + 1, full_blocks - 1) * 4 * k  # the last block prefetches itself, harmlessly
+            for c in range(chunks):
+                for group in range(passes):
+                    first = group * size + min(group, larger)
+                    call = min(c * passes + group, (k // 4) // share - 1)  # the last calls prefetch again
+                    _chunk_pass(
+                        x,
+                        first,
+                        size + (group < larger),
+                        w,
+                        o,
+                        y,
+                        (ahead + call * share * 16, share),
+                        (c * chunk, min((c + 1) * chunk, k)),
+                        sums[group * 4 * _GROUP :],
+                    )
+    _dot_rows(x, w, full_blocks * 4, y)
+
+
+@njit(inline="always", fastmath=True)
+def _chunk_pass(x, m0, columns, w, o, y, prefetching, span, sums):
+    """One pass of the chunked tile for `columns` (2 .. _GROUP) x rows from m0, over K span = (k0, k1):
+    prefetching = (ahead, lines) as the tile takes them."""
+    ahead, lines = prefetching
+    k0, k1 = span
+    first, last = k0 == 0, k1 == x.shape[1]
+    if columns == 2:
+        _chunk_2(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+    elif columns == 3:
+        _chunk_3(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+    elif columns == 4:
+        _chunk_4(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+    elif columns == 5:
+        _chunk_5(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+    else:
+        _chunk_6(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+
+
 def _prefetching_tile(columns, prefetches=1, w_rows=4):
     """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + w_rows] = those rows of x
     [M, K] . rows o..o + w_rows - 1 of w [N, K] (float32, C order, K a multiple of the lanes), a vector a step,
@@ -198,66 +262,7 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4):
             return None  # the IR steps through rows by their length: a strided array fails to type, loudly
 
         def codegen(context, builder, signature, args):
-            xs, ws, ys = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
-            m0, o, ahead, lines = args[1], args[3], args[5], args[6]
-            k, n = builder.extract_value(xs.shape, 1), builder.extract_value(ys.shape, 1)
-            rows = [builder.add(m0, _I64(c)) for c in range(columns)]
-            x_rows = [builder.gep(xs.data, [builder.mul(m, k)]) for m in rows]
-            w_ptrs = [builder.gep(ws.data, [builder.mul(builder.add(o, _I64(j)), k)]) for j in range(w_rows)]
-            prefetched = builder.gep(ws.data, [ahead])
-            steps = builder.lshr(k, _I64(_LANE_BITS))
-            slots = builder.mul(steps, _I64(prefetches))
-            per_slot = builder.sdiv(builder.shl(lines, _I64(16)), slots)  # lines a prefetch, in 1/65536ths
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V, [_V] * 3), f"llvm.fmuladd.v{_LANES}f32"
-            )
-            prefetch = _llvm_prefetch(builder)
-            entry = builder.block
-            head, body, done = (builder.append_basic_block(name) for name in ("head", "body", "done"))
-            builder.branch(head)
-            builder.position_at_end(head)
-            step = builder.phi(_I64)
-            sums = [builder.phi(_V) for _ in range(w_rows * columns)]  # w row o against x rows m0.., then o + 1, ...
-            builder.cbranch(builder.icmp_signed("<", step, steps), body, done)
-
-            builder.position_at_end(body)
-            first = builder.shl(step, _I64(_LANE_BITS))
-
-            def load(row):
-                return builder.load(builder.bitcast(builder.gep(row, [first]), _V.as_pointer()), align=4)
-
-            if w_rows == 4:
-                # Weight row by weight row: each w vector meets every x vector while those stay in registers
-                # (AVX2's 4 x 3 tile: twelve sums, three x vectors and one w, all sixteen registers).
-                u = [load(row) for row in x_rows]
-                p = [load(row) for row in w_ptrs]
-                new = [builder.call(fma, [u[i % columns], p[i // columns], total]) for i, total in enumerate(sums)]
-            else:
-                # x row by x row: the w vectors stay in registers (3 x 8: 24 sums, three w vectors and one x).
-                p = [load(row) for row in w_ptrs]
-                new = list(sums)
-                for c, row in enumerate(x_rows):
-                    u = load(row)
-                    for j in range(w_rows):
-                        new[j * columns + c] = builder.call(fma, [u, p[j], sums[j * columns + c]])
-            for i in range(prefetches):
-                slot = builder.add(builder.mul(step, _I64(prefetches)), _I64(i))
-                line = builder.ashr(builder.mul(slot, per_slot), _I64(16))
-                address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, _I64(4))]), _I8P)
-                builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
-            next_step = builder.add(step, _I64(1))
-            builder.branch(head)
-            step.add_incoming(_I64(0), entry)
-            step.add_incoming(next_step, body)
-            for total, updated in zip(sums, new):
-                total.add_incoming(ir.Constant(_V, [0.0] * _LANES), entry)
-                total.add_incoming(updated, body)
-
-            builder.position_at_end(done)
-            for index, total in enumerate(sums):
-                m, j = rows[index % columns], index // columns
-                out = builder.gep(ys.data, [builder.add(builder.mul(m, n), builder.add(o, _I64(j)))])
-                builder.store(_horizontal_sum(builder, total), out)
+            _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked=False)
             return context.get_dummy_value()
 
         return types.none(x, m0, w, o, y, ahead, lines), codegen
@@ -265,9 +270,124 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4):
     return tile
 
 
+def _chunk_tile(columns):
+    """An intrinsic tile(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last): _prefetching_tile's 4 x columns
+    tile over steps k0 / lanes .. k1 / lanes only (`lines` <= their number), its sums starting at zero (first) or
+    from the rows of `sums` [>= 4 columns, lanes], and ending in y (last) or back in `sums`."""
+
+    @intrinsic
+    def tile(typingctx, x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last):
+        if any(array.layout != "C" for array in (x, w, y, sums)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            _tile_ir(context, builder, signature, args, columns, 1, 4, chunked=True)
+            return context.get_dummy_value()
+
+        return types.none(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last), codegen
+
+    return tile
+
+
+def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked):
+    """The IR of a tile (_prefetching_tile's, or with `chunked` _chunk_tile's) at the builder."""
+    xs, ws, ys = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
+    m0, o, ahead, lines = args[1], args[3], args[5], args[6]
+    k, n = builder.extract_value(xs.shape, 1), builder.extract_value(ys.shape, 1)
+    rows = [builder.add(m0, _I64(c)) for c in range(columns)]
+    x_rows = [builder.gep(xs.data, [builder.mul(m, k)]) for m in rows]
+    w_ptrs = [builder.gep(ws.data, [builder.mul(builder.add(o, _I64(j)), k)]) for j in range(w_rows)]
+    prefetched = builder.gep(ws.data, [ahead])
+    count = w_rows * columns
+    zero = ir.Constant(_V, [0.0] * _LANES)
+    if chunked:
+        first_step, end_step = (builder.lshr(args[i], _I64(_LANE_BITS)) for i in (7, 8))
+    else:
+        first_step, end_step = _I64(0), builder.lshr(k, _I64(_LANE_BITS))
+    slots = builder.mul(builder.sub(end_step, first_step), _I64(prefetches))
+    per_slot = builder.sdiv(builder.shl(lines, _I64(16)), slots)  # lines a prefetch, in 1/65536ths
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V] * 3), f"llvm.fmuladd.v{_LANES}f32")
+    prefetch = _llvm_prefetch(builder)
+    head, body, done = (builder.append_basic_block(name) for name in ("head", "body", "done"))
+    if chunked:  # the sums start at zero (first) or where the last chunk left them
+        scratch = context.make_array(signature.args[9])(context, builder, args[9]).data
+        kept = [builder.bitcast(builder.gep(scratch, [_I64(i * _LANES)]), _V.as_pointer()) for i in range(count)]
+        load_block, zero_block = builder.append_basic_block("load"), builder.append_basic_block("zero")
+        builder.cbranch(_is_true(builder, args[10]), zero_block, load_block)
+        builder.position_at_end(load_block)
+        starts = [(zero_block, [zero] * count), (load_block, [builder.load(p, align=4) for p in kept])]
+        builder.branch(head)
+        builder.position_at_end(zero_block)
+    else:
+        starts = [(builder.block, [zero] * count)]
+    builder.branch(head)
+    builder.position_at_end(head)
+    step = builder.phi(_I64)
+    sums = [builder.phi(_V) for _ in range(count)]  # w row o against x rows m0.., then o + 1, ...
+    builder.cbranch(builder.icmp_signed("<", step, end_step), body, done)
+
+    builder.position_at_end(body)
+    first = builder.shl(step, _I64(_LANE_BITS))
+
+    def load(row):
+        return builder.load(builder.bitcast(builder.gep(row, [first]), _V.as_pointer()), align=4)
+
+    if w_rows == 4:
+        # Weight row by weight row: each w vector meets every x vector while those stay in registers
+        # (AVX2's 4 x 3 tile: twelve sums, three x vectors and one w, all sixteen registers).
+        u = [load(row) for row in x_rows]
+        p = [load(row) for row in w_ptrs]
+        new = [builder.call(fma, [u[i % columns], p[i // columns], total]) for i, total in enumerate(sums)]
+    else:
+        # x row by x row: the w vectors stay in registers (3 x 8: 24 sums, three w vectors and one x).
+        p = [load(row) for row in w_ptrs]
+        new = list(sums)
+        for c, row in enumerate(x_rows):
+            u = load(row)
+            for j in range(w_rows):
+                new[j * columns + c] = builder.call(fma, [u, p[j], sums[j * columns + c]])
+    for i in range(prefetches):
+        slot = builder.add(builder.mul(builder.sub(step, first_step), _I64(prefetches)), _I64(i))
+        line = builder.ashr(builder.mul(slot, per_slot), _I64(16))
+        address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, _I64(4))]), _I8P)
+        builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
+    next_step = builder.add(step, _I64(1))
+    builder.branch(head)
+    for block, values in starts:
+        step.add_incoming(first_step, block)
+        for total, value in zip(sums, values):
+            total.add_incoming(value, block)
+    step.add_incoming(next_step, body)
+    for total, updated in zip(sums, new):
+        total.add_incoming(updated, body)
+
+    builder.position_at_end(done)
+    if chunked:
+        store_block, sum_block, end = (builder.append_basic_block(name) for name in ("store", "sum", "end"))
+        builder.cbranch(_is_true(builder, args[11]), sum_block, store_block)
+        builder.position_at_end(store_block)
+        for total, pointer in zip(sums, kept):
+            builder.store(total, pointer, align=4)
+        builder.branch(end)
+        builder.position_at_end(sum_block)
+    for index, total in enumerate(sums):
+        m, j = rows[index % columns], index // columns
+        out = builder.gep(ys.data, [builder.add(builder.mul(m, n), builder.add(o, _I64(j)))])
+        builder.store(_horizontal_sum(builder, total), out)
+    if chunked:
+        builder.branch(end)
+        builder.position_at_end(end)
+
+
+def _is_true(builder, flag):
+    """A numba boolean argument as an LLVM i1."""
+    return flag if flag.type == ir.IntType(1) else builder.icmp_unsigned("!=", flag, ir.Constant(flag.type, 0))
+
+
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
 _lone_3, _lone_4, _lone_5, _lone_6 = (_prefetching_tile(columns, _LONE_LINES) for columns in range(3, 7))
 _tile_3x7, _tile_3x8 = (_prefetching_tile(columns, 2, 3) for columns in (7, 8))
+_chunk_2, _chunk_3, _chunk_4, _chunk_5, _chunk_6 = (_chunk_tile(columns) for columns in range(2, 7))
 
 
 @njit(inline="always", fastmath=True)

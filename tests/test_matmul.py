@@ -17,7 +17,7 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("out_features", [4, 6, 7, 130])  # partial blocks of 4 and of 3 rows
-@pytest.mark.parametrize("in_features", [48, 44])  # 44: no whole 8- or 16-lane steps, so no prefetching tile
+@pytest.mark.parametrize("in_features", [48, 44, 528])  # 44: no prefetching tile; 528: K in chunks of 256 and 16
 def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, bias):
     torch.manual_seed(out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
