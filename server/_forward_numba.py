@@ -131,16 +131,17 @@ def matmul(x, w, y):
     # Prefetching passes take x rows up to _GROUP at a time, in groups as even as possible (AVX2: M = 8 is
     # 3 + 3 + 2, M = 4 is 2 + 2), so that each weight vector loaded meets as many x rows as the registers hold.
     passes = (m_rows + _GROUP - 1) // _GROUP
-    size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
-    full_blocks = n // 4
-    # A pass's share of the next block's 4 k / 16 lines, at most one a step: M <= _GROUP's one pass takes part.
-    share = min((k // 4) // passes, (_LONE_LINES if passes == 1 else 1) * (k // _LANES))
     if _AVX512 and prefetching and (m_rows == 7 or m_rows == 8):
         _three_row_blocks(x, w, y)
         return
     if _AVX512 and prefetching and passes > 1:
         _chunked_passes(x, w, y)
         return
+    size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
+    full_blocks = n // 4
+    # A pass's share of the next block's 4 k / 16 lines: a lone pass (M <= _GROUP) up to _LONE_LINES a step,
+    # each of several passes (AVX2 only, here) at most one.
+    share = min((k // 4) // passes, (_LONE_LINES if passes == 1 else 1) * (k // _LANES))
     for block in prange((n + 3) // 4):
         o = block * 4
         if o + 4 <= n:
@@ -196,8 +197,9 @@ def _chunked_passes(x, w, y):
     """matmul for M > _GROUP on AVX-512 (K a multiple of 16): each block of four weight rows is walked a K chunk
     at a time, every pass over the chunk before the next chunk, its sums kept in a scratch between chunks. So the
     block streams in throughout, not only in the first of its passes, and the later passes read the chunk from L1
-    (in turn with whole passes over every product of the 1.5B on a 2-core Xeon: M = 9-28 0.91-0.97x, M = 40
-    0.97x). 256 floats a chunk up to four passes; 512 beyond, where the sums' loads and stores weigh more."""
+    (in turn with whole passes over every product of the 1.5B on a 2-core Xeon: M = 9-24 0.91-0.94x, M = 28
+    0.95x, M = 40 0.96-0.97x). 256 floats a chunk up to four passes; 512 beyond, where the sums' loads and
+    stores weigh more."""
     m_rows, k = x.shape
     n = w.shape[0]
     passes = (m_rows + _GROUP - 1) // _GROUP
