@@ -15,7 +15,10 @@
   one long sequence of num_slots * max_len keys (a view, no copy), and a block mask
   built once per step lets each query see only its own slot's cached keys and
   whatever of its row's new tokens its chain or tree allows. Blocks outside a row's
-  slot are skipped, so the work follows the real tokens, and the rows need no loop.
+  slot are skipped, and the rows need no loop. But every query of a 128-query block
+  computes every block any of its rows needs: a step of R short rows does R rows'
+  work for each of them (on an H200, 8 x 1 replays in 2.1x the time of 1 x 5 in
+  bfloat16, 4.2x in float32; bench/results/2026-11-26-h200-cuda.md).
   Compiled on CUDA; elsewhere FlexAttention runs its eager reference, which
   materialises every score (correct, slow: for checking the layout on a CPU).
 - `auto`: `flex` on CUDA; `numba` for float32 on a CPU where it compiles; else `rows`.
@@ -33,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import numpy as np
@@ -245,15 +248,59 @@ def flex_attention(
     num_slots, max_len, num_kv_heads, head_dim = k_cache.shape
     keys = k_cache.view(num_slots * max_len, num_kv_heads, head_dim).transpose(0, 1)[None]  # [1, KVH, S*L, D]
     values = v_cache.view(num_slots * max_len, num_kv_heads, head_dim).transpose(0, 1)[None]
-    out = _flex(q.device.type)(q.transpose(0, 1)[None], keys, values, block_mask=layout.block_mask, enable_gqa=True)
+    out = _flex(q.device.type)(q.transpose(0, 1)[None], keys, values, layout.block_mask)
     return out[0].transpose(0, 1)
 
 
+# Compiled versions of flex attention a CUDA process may hold. Inductor's kernels specialize on the query-block
+# count, on decoding (under 128 queries) or not, and on a single query: a server with its graph buckets and
+# its prefill chunks' block counts passed dynamo's default limit of 8, past which flex attention ran its dense
+# reference (every score materialized) and graph capture failed ("Cannot copy between CPU and CUDA tensors
+# during CUDA graph capture"). Seen on an H200, torch 2.11. 64 covers chunks up to 64 x 128 tokens.
+FLEX_RECOMPILE_LIMIT = 64
+GENERAL_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}  # FlexAttention's kernel_options: never the decoding kernel
+
+
+class FlexCall:
+    """Flex attention as compiled for one device type, falling back from the decoding kernel when inductor
+    cannot build it.
+
+    On an H200 (torch 2.11) inductor found no configuration of its decoding kernel (under 128 queries) for
+    some shapes, the tiny test model's 4 rows x 17 tokens among them, and raised NoValidChoicesError at the
+    first step of that shape; its general kernel built them. From that first failure on, this process takes
+    the general kernel for every step: a compile that failed once would fail (and stall) again."""
+
+    def __init__(self, flex: Callable[..., torch.Tensor], can_fall_back: bool):
+        self.flex = flex
+        self.can_fall_back = can_fall_back
+        self.general_only = False
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_mask) -> torch.Tensor:
+        if not self.general_only:
+            try:
+                return self.flex(q, keys, values, block_mask=block_mask, enable_gqa=True)
+            except Exception as error:  # inductor's InductorError; its module path moves between releases
+                if not self.can_fall_back or "NoValidChoicesError" not in str(error):
+                    raise
+                log.warning(
+                    "flex attention: inductor cannot build its decoding kernel here; using its general "
+                    "kernel from now on (%s)",
+                    str(error).splitlines()[0][:200],
+                )
+                self.general_only = True
+        return self.flex(q, keys, values, block_mask=block_mask, enable_gqa=True, kernel_options=GENERAL_KERNEL)
+
+
 @functools.cache
-def _flex(device_type: str):
+def _flex(device_type: str) -> FlexCall:
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    return torch.compile(flex, dynamic=True) if device_type == "cuda" else flex
+    if device_type != "cuda":
+        return FlexCall(flex, can_fall_back=False)
+    config, name = torch._dynamo.config, "recompile_limit"
+    name = name if hasattr(config, name) else "cache_size_limit"  # its name before torch 2.6
+    setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
+    return FlexCall(torch.compile(flex, dynamic=True), can_fall_back=True)
 
 
 def row_attention(

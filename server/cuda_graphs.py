@@ -124,8 +124,12 @@ class GraphedRunner:
     def device(self) -> torch.device:
         return self.inner.device
 
+    @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every bucket's graph (on CUDA) or build its static tensors (elsewhere); seconds taken."""
+        """Capture every bucket's graph (on CUDA) or build its static tensors (elsewhere); seconds taken.
+
+        In inference mode, as every step runs: a static tensor made outside it has another dispatch key set
+        than the eager steps' layouts, and so cost flex attention a compile of its own (seen on an H200)."""
         started = time.perf_counter()
         for bucket in sorted(self.buckets, reverse=True):  # the largest first, so smaller ones reuse its pool
             self._captured[bucket] = self._capture(bucket)

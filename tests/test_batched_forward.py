@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from specedge.registry import ResolvedModel
-from specedge.server.attention import FLEX_BLOCK, NUMBA_MAX_NEW
+from specedge.server.attention import FLEX_BLOCK, GENERAL_KERNEL, NUMBA_MAX_NEW, FlexCall
 from specedge.server.loading import load_target
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 
@@ -165,6 +165,34 @@ def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows, max_le
         reference = create_block_mask(mask.mask_mod, None, None, num_tokens, num_keys, device="cpu")
         assert partial == _listed(reference.kv_num_blocks, reference.kv_indices)
         assert full == _listed(reference.full_kv_num_blocks, reference.full_kv_indices)
+
+
+def test_flex_falls_back_to_the_general_kernel_once_the_decoding_kernel_cannot_be_built():
+    """Inductor raised NoValidChoicesError for some decoding-kernel shapes on an H200 (the test model's 4 x 17
+    queries); its general kernel built them. After the first failure every call takes the general kernel, and
+    any other error still reaches the caller."""
+    calls = []
+
+    def flex(q, keys, values, *, block_mask, enable_gqa, kernel_options=None):
+        calls.append(kernel_options)
+        if kernel_options is None and q.shape[2] == 68:
+            raise RuntimeError("LoweringException: NoValidChoicesError: No choices to select.")
+        if q.shape[2] == 0:
+            raise RuntimeError("some other compile error")
+        return q + 1
+
+    call = FlexCall(flex, can_fall_back=True)
+    x = torch.zeros(1, 4, 3, 16)
+    assert torch.equal(call(x, x, x, None), x + 1) and calls == [None]
+    y = torch.zeros(1, 4, 68, 16)
+    assert torch.equal(call(y, y, y, None), y + 1) and calls[1:] == [None, GENERAL_KERNEL]
+    call(x, x, x, None)
+    assert calls[3:] == [GENERAL_KERNEL]  # the decoding kernel is not tried again
+    with pytest.raises(RuntimeError, match="NoValidChoicesError"):
+        FlexCall(flex, can_fall_back=False)(y, y, y, None)  # the CPU's reference has no kernels to choose
+    with pytest.raises(RuntimeError, match="other compile error"):
+        empty = torch.zeros(1, 4, 0, 16)
+        FlexCall(flex, can_fall_back=True)(empty, empty, empty, None)
 
 
 def _listed(counts: torch.Tensor | None, indices: torch.Tensor | None) -> set[tuple[int, int]]:

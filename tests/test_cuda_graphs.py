@@ -22,7 +22,7 @@ from specedge.server.cuda_graphs import (
 )
 from specedge.server.loading import load_target
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
-from tests.test_batched_forward import MAX_LEN, NUM_SLOTS, session_rounds
+from test_batched_forward import MAX_LEN, NUM_SLOTS, session_rounds
 
 BUCKETS = (4, 16, 64)
 
@@ -156,3 +156,20 @@ def test_captured_graphs_replay_what_the_eager_forward_computes(tiny_target_dir)
         for logits, reference in zip(graphed.forward(step), eager.forward(step)):
             torch.testing.assert_close(logits, reference, atol=2e-3, rtol=0)
         step = [ForwardRequest(r.slot, r.num_cached + len(r.token_ids), (r.token_ids[-1],)) for r in step]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU only")
+def test_flex_attention_stays_compiled_past_dynamos_default_recompile_limit(tiny_target_dir):
+    """Prefill steps of 1 to 9 query blocks (a compile each), then capture. Past dynamo's default limit of 8
+    compiles, flex attention ran its dense reference, whose CPU tensors made capture fail."""
+    torch._dynamo.reset()
+    cuda, blocks = torch.device("cuda"), 9
+    model = load_target(ResolvedModel("tiny", "hf", tiny_target_dir), device=cuda, dtype=torch.float32).model
+    kv = KVCache(model, num_slots=3, max_len=blocks * 128 + 16, device=cuda, dtype=torch.float32)
+    eager = ModelRunner(model, kv)
+    for count in range(1, blocks + 1):
+        eager.forward([ForwardRequest(0, 0, tuple(i % 50 for i in range(count * 128)), all_logits=False)])
+    graphed = GraphedRunner(ModelRunner(model, kv), buckets=(4,))
+    graphed.capture()
+    step = [ForwardRequest(0, 5, (7, 8, 9))]
+    torch.testing.assert_close(graphed.forward(step)[0], eager.forward(step)[0], atol=2e-3, rtol=0)
