@@ -52,6 +52,26 @@ def _float32_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+# The vector width a loop here may take. On CPUs with AVX-512, LLVM's tuning prefers 256-bit vectors in the loops
+# it vectorizes (wide ones once slowed the clock). These loops read a row from cache, and do more per token where
+# the row is flat. 512 bits on a 2-core Xeon (AVX-512), the step's draws over the 1.5B's logits (64 rows x 5 x
+# 152k, in turn): 0.91x at T = 0.8 and 0.94x with top-20 q on flat rows, 0.95x greedy; peaked rows unchanged.
+# Without AVX-512 there is nothing wider, and nothing changes.
+_VECTOR_BITS = '"prefer-vector-width"="512"'
+
+
+@intrinsic
+def _wide_vectors(typingctx):
+    """Lets LLVM vectorize the loops of the function it is called in at _VECTOR_BITS. llvmlite lists only LLVM's
+    enum attributes as known; a string attribute is written out as it stands."""
+
+    def codegen(context, builder, signature, args):
+        set.add(builder.function.attributes, _VECTOR_BITS)
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
 @njit(inline="always")
 def _largest_y(t):
     """An upper bound on the y a token can have and still reach the best score, from its t (see _race):
@@ -97,6 +117,7 @@ def _argmax(bits, block_max_bits):
 
     The row's four quarters are read side by side, a block of each at a time: four streams keep
     more of the memory's lines in flight than one, and a step's rows read in 0.8x the time."""
+    _wide_vectors()
     num_tokens = bits.shape[0]
     best, lowest, best_start = np.int32(-_KEY_MAGNITUDE), np.int32(_KEY_MAGNITUDE), num_tokens
     span = num_tokens // (4 * _BLOCK) * _BLOCK  # a quarter's whole blocks
@@ -145,6 +166,7 @@ def _log_weight(token, logit, top_logit, temperature, override_ids, override_wei
 @njit
 def _race(row, top, block_max, temperature, floor, key, token_hash, override_ids, override_weights):
     """The winner of the race on one row [V] whose argmax is `top` (block maxima [V / _BLOCK]), or NO_TOKEN."""
+    _wide_vectors()
     num_tokens = row.shape[0]
     top_logit = row[top]
     best, winner = -np.inf, NO_TOKEN
@@ -270,6 +292,7 @@ def _log_norm(row, top_logit, block_max, temperature, floor, always):
     in cache from its argmax: a block whose max (block_max, from _argmax) is below the lowest logit that
     counts is skipped. Unless `always`, NaN (not summed) where over one block in _FEW counts: a flat row's
     exponentials cost about what reading it again does, so it waits until the caller knows it needs it."""
+    _wide_vectors()
     lowest = max(floor, top_logit + _NEGLIGIBLE * temperature)
     if not always:
         counting = 0
