@@ -1,6 +1,7 @@
 """Forward costs on a GPU: eager against CUDA graphs, each as a multiple of its roofline, in one run.
 
     python scripts/cuda_forwards.py --target random:qwen2-7b@/path/to/a-qwen2-tokenizer-dir --slots 64
+    python scripts/cuda_forwards.py --target random:qwen2-1.5b --no-tokenizer   # no checkpoint at hand
 
 `specedge-bench engine` measures the CPU paths; this is its counterpart for the CUDA path until the bench
 grows one. It measures the machine (HBM stream: a sum over 4 GiB; bf16 peak: an 8192^3 product), loads the
@@ -25,7 +26,9 @@ from specedge.bench.engine import Step
 from specedge.registry import resolve
 from specedge.server.cuda_graphs import GraphedRunner, bucket_for, padded
 from specedge.server.loading import load_target
+from specedge.server.random_model import PRESETS, build_random, preset_of
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
+from specedge.tokens import TokenizerFingerprint
 
 PREFIX = 200  # cached tokens of each row, as in specedge-bench engine
 EAGER_PREFILLS = (129, 160, 197, 256, 300)  # past the largest bucket (128)
@@ -40,6 +43,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--no-tokenizer", action="store_true", help="random:PRESET built without loading a tokenizer (no checkpoint)"
+    )
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
@@ -64,15 +70,22 @@ def main() -> None:
     values = torch.empty(0)
     print(f"stream {stream / 1e9:.0f} GB/s, {args.dtype} peak {peak / 1e12:.1f} TFLOP/s", flush=True)
 
-    target = load_target(resolve(args.target), device=device, dtype=dtype, attention="flex")
-    model = target.model
+    if args.no_tokenizer:  # a GPU box without the real checkpoints: random weights and no tokenizer to load
+        preset = preset_of(args.target)
+        vocab_size = PRESETS[preset].vocab_size or 32_000
+        fingerprint = TokenizerFingerprint(vocab_size, vocab_size, "", None, ())
+        model, _ = build_random(preset, fingerprint, device=device, dtype=dtype)
+        model.attention, name = "flex", args.target
+    else:
+        target = load_target(resolve(args.target), device=device, dtype=dtype, attention="flex")
+        model, name = target.model, target.name
     weight_bytes = sum(p.nbytes for p in model.parameters())
     tied = model.args.tie_word_embeddings  # an untied embedding is a lookup, not a product
     flops_per_token = 2 * sum(p.numel() for n, p in model.named_parameters() if "embed" not in n or tied)
     steps = [Step.parse(name) for name in args.steps.split(",")]
     num_slots = max(max(s.rows + (1 if s.prefill else 0) for s in steps) + 2, args.slots)
     kv = KVCache(model, num_slots=num_slots, max_len=args.max_len, device=device, dtype=dtype)
-    print(f"{target.name}: {weight_bytes / 1e9:.2f} GB of weights; KV {num_slots} slots x {args.max_len}", flush=True)
+    print(f"{name}: {weight_bytes / 1e9:.2f} GB of weights; KV {num_slots} slots x {args.max_len}", flush=True)
     eager = ModelRunner(model, kv)
     generator = torch.Generator().manual_seed(0)
     token_ids = torch.randint(model.args.vocab_size, (args.max_len,), generator=generator).tolist()
@@ -95,7 +108,8 @@ def main() -> None:
         requests = step.requests(PREFIX, token_ids)
         state = graphed._captured[bucket]
         pad = padded(requests, bucket, graphed.scratch_slot)
-        fill = timed(lambda state=state, pad=pad: graphed._fill(state, pad))
+        with torch.inference_mode():  # the buckets' tensors are inference tensors, as every step's are
+            fill = timed(lambda state=state, pad=pad: graphed._fill(state, pad))
         replay = timed(state.graph.replay) if state.graph is not None else float("nan")
         print(f"{step.name}: fill {fill:.2f} ms, replay {replay:.2f} ms", flush=True)
     rows = []
