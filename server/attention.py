@@ -256,7 +256,8 @@ def flex_attention(
 # count, on decoding (under 128 queries) or not, and on a single query: a server with its graph buckets and
 # its prefill chunks' block counts passed dynamo's default limit of 8, past which flex attention ran its dense
 # reference (every score materialized) and graph capture failed ("Cannot copy between CPU and CUDA tensors
-# during CUDA graph capture"). Seen on an H200, torch 2.11. 64 covers chunks up to 64 x 128 tokens.
+# during CUDA graph capture"). Seen on an H200, torch 2.11. 64 leaves room for the buckets' few and a compile
+# per prefill chunk's block count up to about 60 x 128 tokens.
 FLEX_RECOMPILE_LIMIT = 64
 GENERAL_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}  # FlexAttention's kernel_options: never the decoding kernel
 
