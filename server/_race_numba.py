@@ -284,8 +284,9 @@ def _exp(x):
     return (p * (r * r) + r + np.float32(1.0)) * _float32_from_bits(np.int32((np.int32(k) + np.int32(127)) << 23))
 
 
-# Sums in any order, so that the exponentials go eight at a time: a block's 256 terms in float32
-# lanes (each <= 1), the blocks in float64. A call of its own, not inlined, so that it keeps these flags.
+# Sums in any order, so that the exponentials go a vector at a time (16 with AVX-512, else 8): a block's 256
+# terms in float32 lanes (each <= 1), the blocks in float64. A call of its own, not inlined, so that it keeps
+# these flags.
 @njit(fastmath={"reassoc", "nsz", "arcp", "contract"})
 def _log_norm(row, top_logit, block_max, temperature, floor, always):
     """log sum exp((logit - max) / T) over a finite row's tokens with logit >= floor, while the row is still
