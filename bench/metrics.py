@@ -19,6 +19,9 @@
   rounds drafted ahead for; None where proactive drafting is off;
 - server_busy_fraction: engine step time (forwards, server drafting, planning,
   verification) / wall time, from the server's /metrics;
+- held_steps_fraction, hold_ms_per_held_step, hold_misses: how often the server held
+  a step for rounds due back from edges (scheduler/gather.py), for how long, and how
+  many awaited rounds did not come in time;
 - cost: the server billed for the wall time, each edge for its drafting time;
   cost_per_mtok_usd = cost / tokens * 1e6.
 """
@@ -118,6 +121,9 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         "mean_batch_size": _ratio(counters["rows"], counters["steps"]),
         "mean_batch_tokens": _ratio(counters["batch_tokens"], counters["steps"]),
         "server_steps": counters["steps"],
+        "held_steps_fraction": _ratio(counters["holds"], counters["steps"]),
+        "hold_ms_per_held_step": _ratio(counters["hold_s"] * 1e3, counters["holds"]),
+        "hold_misses": counters["hold_misses"],
         "edge_busy_s": edge_busy_s,
         "cost_usd": cost_usd,
         "cost_per_mtok_usd": _ratio(cost_usd * 1e6, tokens),

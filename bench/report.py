@@ -28,6 +28,16 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _held(record: dict) -> str:
+    """Steps held for rounds due back from edges: their share, the mean hold, and the awaited rounds missed."""
+    share = record.get("held_steps_fraction")  # absent from records written before holds were scraped
+    if share is None:
+        return "-"
+    if not share:
+        return "0%"
+    return f"{share:.0%}, {record['hold_ms_per_held_step']:.0f} ms, {record['hold_misses']:.0f} missed"
+
+
 def _ordered(records: Sequence[dict]) -> list[dict]:
     return sorted(records, key=lambda r: (r["rtt_ms"], r["num_edges"], MODES.index(r["mode"])))
 
@@ -76,8 +86,9 @@ def summary_markdown(results: dict) -> str:
         "## Every cell",
         "",
         "| mode | N | RTT ms | decode tok/s | whole-run tok/s | ITL p50 ms | ITL p95 ms | TTFT p50 ms | acceptance | "
-        "mean accepted length | proactive hits | server busy | tok/busy-s | batch rows x tokens | ms/step | $/Mtok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "mean accepted length | proactive hits | server busy | tok/busy-s | batch rows x tokens | ms/step | "
+        "held steps | $/Mtok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(
@@ -87,7 +98,7 @@ def summary_markdown(results: dict) -> str:
             f"{_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'])} | {_fmt(r['proactive_hit_rate'])} | "
             f"{_fmt(r['server_busy_fraction'], '.0%')} | {_fmt(r['tokens_per_server_busy_s'])} | "
             f"{_fmt(r['mean_batch_size'], '.1f')} x {_fmt(r['mean_batch_tokens'], '.1f')} | "
-            f"{_fmt(r['server_ms_per_step'], '.0f')} | {_fmt(r['cost_per_mtok_usd'], '.2f')} |"
+            f"{_fmt(r['server_ms_per_step'], '.0f')} | {_held(r)} | {_fmt(r['cost_per_mtok_usd'], '.2f')} |"
         )
     categories = sorted({c for r in records for c in r["acceptance_per_category"]})
     if categories:

@@ -132,6 +132,9 @@ _METRICS = {
     "drafts": "specedge:spec_decode_num_drafts_total",
     "draft_tokens": "specedge:spec_decode_num_draft_tokens_total",
     "accepted_tokens": "specedge:spec_decode_num_accepted_tokens_total",
+    "holds": "specedge:step_holds_total",
+    "hold_s": "specedge:step_hold_seconds_total",
+    "hold_misses": "specedge:step_hold_misses_total",
 }
 _COST_POINT = re.compile(r'^specedge:step_cost_seconds\{tokens="([0-9.]+)"\} (\S+)$', re.M)
 _PER_POS = re.compile(r'^specedge:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\} (\S+)$', re.M)

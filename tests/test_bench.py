@@ -184,6 +184,9 @@ def _counters(**values) -> ServerCounters:
         "drafts",
         "draft_tokens",
         "accepted_tokens",
+        "holds",
+        "hold_s",
+        "hold_misses",
     )
     return ServerCounters({k: float(values.get(k, 0)) for k in keys}, values.get("per_pos", {}))
 
@@ -230,6 +233,9 @@ def _two_records() -> tuple[dict, dict]:
                     drafts=25,
                     draft_tokens=100,
                     accepted_tokens=75,
+                    holds=5,
+                    hold_s=0.4,
+                    hold_misses=1,
                     per_pos={0: 25, 1: 20, 2: 20, 3: 10},
                 ),
                 2.0,
@@ -253,6 +259,9 @@ def test_cell_summary_throughput_cost_and_ratios():
     assert spec["acceptance_per_category"] == {"chat": 0.75, "code": 0.75}
     assert spec["proactive_hit_rate"] == 0.5
     assert spec["cost_per_mtok_usd"] == pytest.approx((4.0 + 0.2) / 100 * 1e6)  # edges pay for drafting time only
+    # Gathering: 5 of 25 steps held, 80 ms each on average, one awaited round missed; AR's steps never held.
+    assert spec["held_steps_fraction"] == 0.2 and spec["hold_ms_per_held_step"] == pytest.approx(80.0)
+    assert spec["hold_misses"] == 1 and ar["held_steps_fraction"] == 0 and ar["hold_ms_per_held_step"] is None
     records = [ar, spec]
     add_ratios(records)
     assert spec["vs_ar"]["throughput_x"] == pytest.approx(1.25) and spec["vs_ar"]["run_throughput_x"] == 2.5
@@ -329,6 +338,7 @@ def test_report_writes_json_markdown_and_png(tmp_path):
     ratios_at = summary.index("## Against server-only decoding")
     assert ratios_at < summary.index("## Every cell")  # the ratios head the report
     assert "| specedge_proactive | 2 | 14 | 1.25x |" in summary
+    assert "| 20%, 80 ms, 1 missed |" in summary and "| 0% |" in summary  # held steps, in the every-cell table
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -390,6 +400,8 @@ def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, 
         assert record["run_throughput_tok_s"] > 0 and record["decode_window_s"] > 0
         if mode.startswith("specedge"):  # the best ratio this machine allows, from the server's measured curve
             assert record["vs_ar"]["ideal_throughput_x"] > 0 and record["vs_ar"]["of_ideal"] > 0
+        # Holds, scraped from the server: a share of the steps, never more than all of them.
+        assert 0 <= record["held_steps_fraction"] <= 1 and record["hold_misses"] >= 0
     # The server's cost curve, scraped from its /metrics: calibration's sizes and the run's steps, by tokens.
     curve = results["meta"]["cost_curve"]
     assert len(curve) >= 3 and all(seconds > 0 for _, seconds in curve) and curve == sorted(curve)
