@@ -578,6 +578,7 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     }
 
 
+BELOW_ROOFLINE = 0.95  # a forward this far under its in-turn roofline: a reading taken in turn with it ran slow
 ATTENTION_STEPS = ("1x1", "8x1", "1x5", "8x5", "16x5")  # rows x new tokens of one layer's attention
 
 
@@ -745,7 +746,35 @@ def _in_turn_lines(results: dict, timed: list[str]) -> list[str]:
                 f"{_x(step['ms'] / roof)}"
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + _below_roofline_lines(results, timed)
+
+
+def _below_roofline_lines(results: dict, timed: list[str]) -> list[str]:
+    """A note naming the forwards that ran more than BELOW_ROOFLINE under their in-turn roofline, each with the
+    reading that bounds it: no forward beats its roofline, so that reading ran slower than the machine can."""
+    limits, flagged = results["limits"], []
+    for name, roofline in results["roofline"].items():
+        for p in timed:
+            step = results["paths"][p]["steps"][name]
+            if step["ms"] >= BELOW_ROOFLINE * step["roofline_in_turn_ms"]:
+                continue
+            floor = roofline["gbytes"] * 1e3 / step["stream_gb_s"]
+            compute = roofline["gflop"] * 1e3 / step["gemm_gflop_s"]
+            if compute >= floor:
+                in_turn, once = _rate(step["gemm_gflop_s"]), _rate(limits["gemm"]["peak_gflop_s"])
+                reading = f"the GEMM rate, {in_turn} GFLOP/s against {once}"
+            else:
+                reading = f"the stream, {step['stream_gb_s']:.1f} GB/s against {limits['stream']['gb_s_median']:.1f}"
+            flagged.append(f"{p} {name} ({_x(step['ms'] / step['roofline_in_turn_ms'])}; {reading} read once)")
+    if not flagged:
+        return []
+    return [
+        "",
+        f"Under the roofline measured in turn by more than {1 - BELOW_ROOFLINE:.0%}: " + "; ".join(flagged) + ". "
+        "No forward runs faster than its roofline, so the reading taken in turn with it ran slower than the machine "
+        "can (the hour, or contention with the forwards around it); for these rows the read-once roofline of the "
+        "table above is the one to read.",
+    ]
 
 
 def _attention_lines(roofline: dict, paths: dict, timed: list[str]) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specedge.bench import cli
-from specedge.bench.engine import ATTENTION_STEPS, DEFAULT_STEPS, PATHS, CostModel, Step
+from specedge.bench.engine import ATTENTION_STEPS, DEFAULT_STEPS, PATHS, CostModel, Step, _below_roofline_lines
 from specedge.server.model import ModelArgs
 
 # Qwen2.5-Coder-1.5B's shape: 1.54 B matrix-weight parameters, the LM head tied to the embedding.
@@ -173,6 +173,31 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
             line for line in section.splitlines() if line.startswith(tuple(f"| {name} |" for name in DEFAULT_STEPS))
         ]
         assert len(rows) == len(DEFAULT_STEPS) and all("| - |" not in row for row in rows), rows
+
+
+def test_a_forward_under_its_in_turn_roofline_is_named_with_the_reading_that_ran_slow():
+    """A 2-core Xeon's recorded run had oneDNN's 7 x 5 + p120 at 0.78x its in-turn roofline: the GEMM rate read in
+    turn with it (183 GFLOP/s) was far under the run's peak (281). No forward beats its roofline; the report says so."""
+    limits = {"gemm": {"peak_gflop_s": 281.0}, "stream": {"gb_s_median": 25.6}}
+    roofline = {"7x5+p120": {"gbytes": 6.2, "gflop": 479.0}, "1x1": {"gbytes": 6.2, "gflop": 3.1}}
+
+    def step(name: str, ms: float, stream: float, gemm: float) -> dict:
+        in_turn = max(roofline[name]["gbytes"] * 1e3 / stream, roofline[name]["gflop"] * 1e3 / gemm)
+        return {"ms": ms, "stream_gb_s": stream, "gemm_gflop_s": gemm, "roofline_in_turn_ms": in_turn}
+
+    paths = {
+        "onednn": {
+            "steps": {"7x5+p120": step("7x5+p120", 1803.5, 26.9, 183.0), "1x1": step("1x1", 300.0, 26.0, 240.0)}
+        },
+        "numba": {"steps": {"7x5+p120": step("7x5+p120", 2000.0, 26.9, 250.0), "1x1": step("1x1", 225.0, 25.0, 240.0)}},
+    }
+    [blank, note] = _below_roofline_lines({"limits": limits, "roofline": roofline, "paths": paths}, ["onednn", "numba"])
+    assert blank == "" and "Under the roofline measured in turn by more than 5%" in note
+    assert "onednn 7x5+p120 (0.69x; the GEMM rate, 183 GFLOP/s against 281 read once)" in note
+    assert "numba 1x1 (0.91x; the stream, 25.0 GB/s against 25.6 read once)" in note
+    assert "numba 7x5+p120" not in note and "onednn 1x1" not in note  # 1.04x and 1.26x: nothing to say
+    paths["onednn"]["steps"]["7x5+p120"]["ms"] = paths["numba"]["steps"]["1x1"]["ms"] = 1e9
+    assert _below_roofline_lines({"limits": limits, "roofline": roofline, "paths": paths}, ["onednn", "numba"]) == []
 
 
 def test_one_path_gets_the_only_columns(tiny_target_dir, capsys):
