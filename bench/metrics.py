@@ -21,7 +21,8 @@
   verification) / wall time, from the server's /metrics;
 - held_steps_fraction, hold_ms_per_held_step, hold_misses: how often the server held
   a step for rounds due back from edges (scheduler/gather.py), for how long, and how
-  many awaited rounds did not come in time;
+  many times an identity it waited for sent nothing in time (without --auth-tokens an
+  identity is a connection: one per edge here);
 - cost: the server billed for the wall time, each edge for its drafting time;
   cost_per_mtok_usd = cost / tokens * 1e6.
 """
