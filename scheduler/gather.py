@@ -9,10 +9,22 @@ alternate, each paying a on its own:
     step [A A A A]      step [B B B B]      step [A A A A]      ...   A and B: edges' rounds
          B's rounds arrive during A's step; A's come back while B's runs
 
-Holding the next step until rounds due back within `a` have arrived merges the
-cohorts: a wait of w < a buys a step that the late rounds would otherwise need
-for themselves, a on its own. The hold never exceeds a, never waits for a round
-that is already overdue, and never starts when nothing is queued.
+Holding the next step until the rounds due back have arrived merges the
+cohorts: a wait of w buys a step that the late rounds would otherwise need for
+themselves, a on its own. But the merged step answers every row at once, and
+the server then has nothing to run until the first of them comes back, a
+turnaround T later, where the other cohort's step used to fill that time:
+
+    alternating: each edge gets a round every 2a + b * tokens (T fits in the other cohort's step)
+    merged:      each edge gets a round every a + b * tokens + T
+
+So merging pays only while T < a, and a hold of w pays only while w + T < a.
+The hold's budget is therefore a less the shortest learned turnaround among
+the rows queued now (server-driven streams, back at once, leave the whole a).
+Where edges draft for longer than a step's fixed cost (on a GPU, almost
+always) that budget is nothing, and steps start the moment work is queued.
+The hold never waits for a round that is already overdue, and never starts
+when nothing is queued.
 
 Each session's turnaround is learned from its own rounds (an exponential
 average of reply -> next round), so server-driven streams, which queue their
@@ -58,15 +70,19 @@ class Turnaround:
         return self.replied_at + self.average_s * (1 + SLACK)
 
 
-def hold_until(now: float, due: Iterable[float | None], step_fixed_s: float | None, since: float) -> float | None:
+def hold_until(
+    now: float, due: Iterable[float | None], step_fixed_s: float | None, since: float, returns_s: float = 0.0
+) -> float | None:
     """When to start a step that work is queued for: None now, else a time to wait until (or an arrival).
 
     `due`: each mid-answer session without queued work, its Turnaround.due_by(); `step_fixed_s`: the cost
-    curve's intercept a (None before it is measured: no hold); `since`: when this step's hold began.
+    curve's intercept a (None before it is measured: no hold); `since`: when this step's hold began;
+    `returns_s`: how soon the queued rows come back once answered (their shortest learned turnaround), the
+    time a merged step leaves the server idle. The hold ends by since + a - returns_s.
     """
-    if step_fixed_s is None or step_fixed_s <= 0:
+    if step_fixed_s is None or step_fixed_s <= returns_s:
         return None
-    deadline = since + step_fixed_s
+    deadline = since + step_fixed_s - returns_s
     waiting = [t for t in due if t is not None and now < t <= deadline]
     return max(waiting) if waiting else None
 
@@ -81,12 +97,17 @@ class Gatherer:
         self._cooling: dict[str, int] = {}  # identity -> the step from which it is waited for again
 
     def hold(
-        self, now: float, due: Iterable[tuple[str, str, float | None]], step_fixed_s: float | None, since: float
+        self,
+        now: float,
+        due: Iterable[tuple[str, str, float | None]],
+        step_fixed_s: float | None,
+        since: float,
+        returns_s: float = 0.0,
     ) -> tuple[float, set[str]] | None:
         """hold_until over `due` ((session, identity, due_by) of each mid-answer session with nothing queued),
         the cooling identities left out: None, or the time to wait until and the sessions waited for."""
         eligible = [(key, t) for key, owner, t in due if self._cooling.get(owner, 0) <= self.num_steps]
-        until = hold_until(now, (t for _, t in eligible), step_fixed_s, since)
+        until = hold_until(now, (t for _, t in eligible), step_fixed_s, since, returns_s)
         if until is None:
             return None
         return until, {key for key, t in eligible if t is not None and now < t <= until}

@@ -101,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-gather",
         dest="gather",
         action="store_false",
-        help="start each step the moment work is queued, rather than holding it (at most the step's fixed cost) "
-        "for rounds due back from edges",
+        help="start each step the moment work is queued, rather than holding it (at most the step's fixed cost "
+        "less the queued rows' turnaround) for rounds due back from edges",
     )
     security = parser.add_argument_group("security (see SECURITY.md)")
     security.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")

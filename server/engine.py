@@ -388,7 +388,10 @@ class Engine:
         since = time.monotonic()
         if self.config.batcher.gather and self._work:
             fixed_s = self.batcher.curve[0] if self.batcher.curve else None
-            while (hold := self.gatherer.hold(time.monotonic(), self._due_back(), fixed_s, since)) is not None:
+            returns_s = self._queued_return_s()
+            while (
+                hold := self.gatherer.hold(time.monotonic(), self._due_back(), fixed_s, since, returns_s)
+            ) is not None:
                 until, keys = hold
                 awaited.update((key, self.sessions[key]) for key in keys)
                 self._wakeup.clear()
@@ -398,6 +401,12 @@ class Engine:
         self.gatherer.step_started(missed)
         if awaited:
             self.stats.observe_hold(time.monotonic() - since, misses=len(missed))
+
+    def _queued_return_s(self) -> float:
+        """How soon the first queued row comes back once answered: the shortest learned turnaround among them
+        (0 when none is known yet, as for a new session's prompt)."""
+        turnarounds = [q.work.session.turnaround.average_s for q in self._work.values() if not q.future.done()]
+        return min((t for t in turnarounds if t is not None), default=0.0)
 
     def _due_back(self) -> list[tuple[str, str, float | None]]:
         """(session, identity, when its next round is due) of each mid-answer session with nothing queued."""
