@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from harness import tiny_server
 from specedge.bench import cli
 from specedge.bench.config import MODES, BenchConfig, Pricing
-from specedge.bench.ideal import CostCurve, ideal_ratio
+from specedge.bench.ideal import CostCurve, ideal_cycle, ideal_ratio
 from specedge.bench.metrics import REQUIRED_FIELDS, add_ideal, add_ratios, percentile, steady_window, summarize_cell
 from specedge.bench.modes import Cell, CellRun, Job, RequestResult, run_cell
 from specedge.bench.prompts import assignment, interleave, load_prompts
@@ -284,24 +285,40 @@ def test_decode_throughput_counts_only_the_window_every_edge_streams_in():
     assert (tokens, steady) == (3, False) and seconds == pytest.approx(0.75)
 
 
+def _cohorts_crossing(curve: CostCurve, tokens: float, extra_s: float) -> float:
+    """The cycle where the server's bound c * T(tokens / c) meets an edge's T(tokens / c) + extra_s, solved by
+    hand for steps inside the curve's 8-40 token segment, T(t) = alpha + beta * t: (c - 1) * T(tokens / c) =
+    extra_s, that is alpha * c^2 + (beta * tokens - alpha - extra_s) * c - beta * tokens = 0."""
+    beta = (curve.seconds(40) - curve.seconds(8)) / 32
+    alpha = curve.seconds(8) - 8 * beta
+    quad_b = beta * tokens - alpha - extra_s
+    c = (-quad_b + math.sqrt(quad_b**2 + 4 * alpha * beta * tokens)) / (2 * alpha)
+    assert 8 <= tokens / c <= 40  # the segment the closed form assumes
+    return c * curve.seconds(tokens / c)
+
+
 def test_ideal_ratio_from_the_measured_cost_curve():
     curve = CostCurve([(40, 0.45), (5, 0.19), (8, 0.20)])
     assert curve.seconds(1) == 0.19  # flat below the first point
     assert curve.seconds(24) == pytest.approx(0.325)  # linear between points
     assert curve.seconds(80) == pytest.approx(0.45 + 0.25 / 32 * 40)  # the last segment's slope beyond
-    # N = 8: the server bounds it, T(40) = 0.45 > 0.06 + 0.014 + T(5): 3.2 * T(8) / T(40) (README's example).
-    assert ideal_ratio(curve, 8, 3.2, 4, 0.014, 0.06) == pytest.approx(3.2 * 0.20 / 0.45)
-    # N = 1: the edge does, its draft and round trip on top of a lone verify; proactive hides the draft.
+    # N = 8 (README's example): one merged step of 40 tokens would take 0.45 s and then idle 0.074 s while the
+    # edges draft; eight steps of 5 would take 1.52 s. The best split runs 1.18 steps' worth of 33.8 tokens.
+    cycle = ideal_cycle(curve, 8, 4, 0.014, 0.06)
+    assert cycle == pytest.approx(_cohorts_crossing(curve, 40, 0.074), rel=1e-4) == pytest.approx(0.4754, abs=1e-4)
+    assert 0.45 < cycle < 0.45 + 0.074
+    assert ideal_ratio(curve, 8, 3.2, 4, 0.014, 0.06) == pytest.approx(3.2 * 0.20 / cycle) == pytest.approx(1.346, 1e-3)
+    # N = 1: the edge bounds it, its draft and round trip on top of a lone verify; proactive hides the draft.
     assert ideal_ratio(curve, 1, 3.2, 4, 0.014, 0.06) == pytest.approx(3.2 * 0.19 / (0.06 + 0.014 + 0.19))
     assert ideal_ratio(curve, 1, 3.2, 4, 0.014, 0.0) == pytest.approx(3.2 * 0.19 / (0.014 + 0.19))
     ar, spec = _two_records()
     records = [ar, spec]
     add_ratios(records)
     add_ideal(records, curve)
-    # spec: L = 4, k = 4, N = 2, RTT 14 ms, proactive: 4 * T(2) / max(T(10), 0.014 + T(5)).
-    expected = 4 * 0.19 / max(curve.seconds(10), 0.014 + 0.19)
-    assert spec["vs_ar"]["ideal_throughput_x"] == pytest.approx(expected)
-    assert spec["vs_ar"]["of_ideal"] == pytest.approx(1.25 / expected)
+    # spec: L = 4, k = 4, N = 2, RTT 14 ms, proactive (d = 0): the cycle where 10 tokens' steps cross.
+    expected = 4 * 0.19 / _cohorts_crossing(curve, 10, 0.014)
+    assert spec["vs_ar"]["ideal_throughput_x"] == pytest.approx(expected, rel=1e-4)
+    assert spec["vs_ar"]["of_ideal"] == pytest.approx(1.25 / expected, rel=1e-4)
     assert "ideal_throughput_x" not in ar["vs_ar"]
 
 
