@@ -383,7 +383,8 @@ class Engine:
                 await asyncio.sleep(0)
 
     async def _gather(self) -> None:
-        """Hold the next step, at most the step's fixed cost, for rounds due back from edges (scheduler/gather.py)."""
+        """Hold the next step, at most the step's fixed cost less the queued rows' turnaround, for rounds due back
+        from edges (scheduler/gather.py)."""
         awaited: dict[str, Session] = {}
         since = time.monotonic()
         if self.config.batcher.gather and self._work:
