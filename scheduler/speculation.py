@@ -149,5 +149,7 @@ class StepCostModel:
         if fitted is None:
             return fallback
         a, b = fitted
+        if a <= 0:  # every step pays something fixed: a line through the origin or below is no step cost curve
+            return fallback
         rows = sum(self._rows) / len(self._rows)
-        return b / (a / rows + b) if a + b > 0 else fallback
+        return b / (a / rows + b)

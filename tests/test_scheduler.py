@@ -141,6 +141,17 @@ def test_step_cost_model_measures_the_marginal_cost_of_a_token():
     assert model.load(fallback=0.0) == pytest.approx(0.25 / (0.75 / 8 + 0.25))  # rows share it: tokens dominate
 
 
+def test_a_fit_without_a_fixed_cost_gives_the_fallback_load_not_every_token_at_full_price():
+    # A tiny model on a busy CPU: small steps cost next to nothing and large ones grow faster than a line, so the
+    # least-squares line crosses zero; its intercept clamps to 0, and b / (0 + b) = 1 would turn drafting off.
+    convex = StepCostModel(min_steps=4)
+    for tokens, seconds in [(1, 0.001), (4, 0.001), (64, 0.02), (256, 0.2)]:
+        convex.observe(batch_tokens=tokens, batch_rows=1, seconds=seconds)
+    fitted = convex.fit()
+    assert fitted is not None and fitted[0] == 0.0 and fitted[1] > 0
+    assert convex.load(fallback=0.2) == 0.2
+
+
 def test_step_cost_model_needs_varied_steps_and_free_tokens_mean_no_load():
     flat = StepCostModel(min_steps=3)
     for _ in range(10):
