@@ -9,7 +9,8 @@ gets a round every C seconds. Two bounds hold together:
 
     the server's:   it runs the c steps one after the other:       C >= c * T(N * (1 + k) / c)
     an edge's:      its round's step, then its draft and the round trip:  C >= T(N * (1 + k) / c) + d + RTT
-                    (d = 0 with proactive drafting: the draft is ready)
+                    (d: the drafting a round waited for, as the edges measured it;
+                    with proactive drafting, what the guesses did not hide)
 
 One merged step (c = 1) pays the step's fixed cost once, but leaves the server idle while the edges
 draft; many small steps keep it busy, each paying the fixed cost. The best schedule is the c that
@@ -74,5 +75,5 @@ def ideal_cycle(curve: CostCurve, num_edges: int, draft_tokens: float, rtt_s: fl
 def ideal_ratio(
     curve: CostCurve, num_edges: int, accepted_length: float, draft_tokens: float, rtt_s: float, draft_s: float
 ) -> float:
-    """The best SpecEdge/AR throughput ratio at `num_edges` (module docstring); draft_s = 0 when proactive."""
+    """The best SpecEdge/AR throughput ratio at `num_edges` (module docstring); draft_s: d."""
     return accepted_length * curve.seconds(num_edges) / ideal_cycle(curve, num_edges, draft_tokens, rtt_s, draft_s)

@@ -17,6 +17,8 @@
 - mean_accepted_length: 1 + accepted tokens / drafted rounds (vLLM's);
 - proactive_hit_rate: rounds whose next draft was ready (a guess came true) /
   rounds drafted ahead for; None where proactive drafting is off;
+- visible_draft_ms_per_round: the drafting rounds waited for (the edges' visible_draft_ms)
+  per drafted round: all of it without proactive drafting, what the guesses did not hide with it;
 - server_busy_fraction: engine step time (forwards, server drafting, planning,
   verification) / wall time, from the server's /metrics;
 - held_steps_fraction, hold_ms_per_held_step, hold_misses: how often the server held
@@ -119,6 +121,10 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         "tokens_per_step": _ratio(tokens, counters["steps"]),
         "draft_tokens_per_round": _ratio(counters["draft_tokens"], counters["drafts"]) if drafted else None,
         "drafted_rounds": counters["drafts"],
+        # The drafting a round waited for, as the edges timed it (all of it, less what proactive drafting hid).
+        "visible_draft_ms_per_round": (
+            _ratio(sum(r.stats["visible_draft_ms"] for r in results), counters["drafts"]) if drafted else None
+        ),
         "mean_batch_size": _ratio(counters["rows"], counters["steps"]),
         "mean_batch_tokens": _ratio(counters["batch_tokens"], counters["steps"]),
         "server_steps": counters["steps"],
@@ -187,8 +193,10 @@ def add_ratios(records: list[dict]) -> None:
 def add_ideal(records: list[dict], curve: CostCurve | None) -> None:
     """Each edge-drafted record's best ratio this machine allows (bench/ideal.py), beside its measured one.
 
-    The draft time d of a round is the edges' measured drafting time per drafted round; 0 with proactive
-    drafting, whose best case has the next draft ready when the reply lands.
+    The draft time d of a round is the drafting it waited for, as the edges measured it, per drafted round:
+    all of an edge's drafting without proactive drafting; with it, only what the guesses did not hide (a
+    round whose guess came true waits for none). Taking d = 0 there, as if every guess came true, would
+    count the edges' misses against the server.
     """
     for record in records:
         x = record.get("vs_ar")
@@ -197,7 +205,7 @@ def add_ideal(records: list[dict], curve: CostCurve | None) -> None:
         x["ideal_throughput_x"] = x["of_ideal"] = None
         if curve is None or not record["drafted_rounds"]:
             continue
-        draft_s = 0.0 if record["mode"] == "specedge_proactive" else record["edge_busy_s"] / record["drafted_rounds"]
+        draft_s = record["visible_draft_ms_per_round"] / 1e3
         k, rtt_s = record["draft_tokens_per_round"], record["rtt_ms"] / 1e3
         ideal = ideal_ratio(curve, record["num_edges"], record["mean_accepted_length"], k, rtt_s, draft_s)
         x["ideal_throughput_x"] = ideal

@@ -176,7 +176,9 @@ class Generation:
         self.stats.wait_ms += wait_s * 1e3
         predraft = None
         if proactive is not None:
-            predraft = await proactive.finish(reply.token_ids)
+            stopping = time.perf_counter()
+            predraft = await proactive.finish(reply.token_ids)  # the drafter ends its step: the answer waits
+            self.stats.visible_draft_ms += (time.perf_counter() - stopping) * 1e3
             if reply.finish is not FinishReason.NONE:
                 predraft = None  # no next round to use it in
             elif predraft is not None and not predraft.chain.token_ids:

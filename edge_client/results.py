@@ -59,6 +59,9 @@ class GenerationStats:
             "itl_ms": round(self.itl_ms, 2),
             "proactive_hit_rate": round(self.proactive_hit_rate, 4),
             "wait_hidden_share": round(self.wait_hidden_share, 4),
+            "visible_draft_ms": round(self.visible_draft_ms, 2),
+            "hidden_draft_ms": round(self.hidden_draft_ms, 2),
+            "wait_ms": round(self.wait_ms, 2),
             "resumes": self.resumes,
             "fallback": self.fallback,
         }

@@ -155,7 +155,16 @@ def test_simulated_edge_has_exactly_the_profile_acceptance(tiny_target_dir, rand
 
 
 def _result(
-    deliveries, accepted=0, drafted=0, category="code", hits=0, rounds=0, tokens=None, edge=0, start_s=0.0
+    deliveries,
+    accepted=0,
+    drafted=0,
+    category="code",
+    hits=0,
+    rounds=0,
+    tokens=None,
+    edge=0,
+    start_s=0.0,
+    visible_draft_ms=0.0,
 ) -> RequestResult:
     count = sum(n for _, n in deliveries)
     return RequestResult(
@@ -166,7 +175,12 @@ def _result(
         finish="length",
         start_s=start_s,
         deliveries=deliveries,
-        stats={"accepted_tokens": accepted, "draft_tokens": drafted, "fallback": None},
+        stats={
+            "accepted_tokens": accepted,
+            "draft_tokens": drafted,
+            "visible_draft_ms": visible_draft_ms,
+            "fallback": None,
+        },
         proactive_rounds=rounds,
         proactive_hits=hits,
         identical=True,
@@ -221,9 +235,23 @@ def _two_records() -> tuple[dict, dict]:
                 4.0,
                 [
                     _result(
-                        [(i * 160.0, 2) for i in range(25)], accepted=60, drafted=80, hits=6, rounds=8, category="chat"
+                        [(i * 160.0, 2) for i in range(25)],
+                        accepted=60,
+                        drafted=80,
+                        hits=6,
+                        rounds=8,
+                        category="chat",
+                        visible_draft_ms=150.0,
                     ),
-                    _result([(i * 160.0, 2) for i in range(25)], accepted=15, drafted=20, hits=2, rounds=8, edge=1),
+                    _result(
+                        [(i * 160.0, 2) for i in range(25)],
+                        accepted=15,
+                        drafted=20,
+                        hits=2,
+                        rounds=8,
+                        edge=1,
+                        visible_draft_ms=100.0,
+                    ),
                 ],
                 _counters(
                     forward_s=3,
@@ -259,6 +287,7 @@ def test_cell_summary_throughput_cost_and_ratios():
     assert spec["acceptance_per_position"] == [1.0, 0.8, 0.8, 0.4]
     assert spec["acceptance_per_category"] == {"chat": 0.75, "code": 0.75}
     assert spec["proactive_hit_rate"] == 0.5
+    assert spec["visible_draft_ms_per_round"] == 10.0  # what the guesses did not hide: 250 ms over 25 rounds
     assert spec["cost_per_mtok_usd"] == pytest.approx((4.0 + 0.2) / 100 * 1e6)  # edges pay for drafting time only
     # Gathering: 5 of 25 steps held, 80 ms each on average, one awaited round missed; AR's steps never held.
     assert spec["held_steps_fraction"] == 0.2 and spec["hold_ms_per_held_step"] == pytest.approx(80.0)
@@ -315,8 +344,10 @@ def test_ideal_ratio_from_the_measured_cost_curve():
     records = [ar, spec]
     add_ratios(records)
     add_ideal(records, curve)
-    # spec: L = 4, k = 4, N = 2, RTT 14 ms, proactive (d = 0): the cycle where 10 tokens' steps cross.
-    expected = 4 * 0.19 / _cohorts_crossing(curve, 10, 0.014)
+    # spec: L = 4, k = 4, N = 2, RTT 14 ms, proactive drafting whose misses left 10 ms a round visible (d): the
+    # cycle where 10 tokens' steps cross. As if every guess came true (d = 0), the ideal would be higher.
+    expected = 4 * 0.19 / _cohorts_crossing(curve, 10, 0.014 + 0.010)
+    assert expected < 4 * 0.19 / _cohorts_crossing(curve, 10, 0.014)
     assert spec["vs_ar"]["ideal_throughput_x"] == pytest.approx(expected, rel=1e-4)
     assert spec["vs_ar"]["of_ideal"] == pytest.approx(1.25 / expected, rel=1e-4)
     assert "ideal_throughput_x" not in ar["vs_ar"]
@@ -417,6 +448,8 @@ def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, 
         assert record["run_throughput_tok_s"] > 0 and record["decode_window_s"] > 0
         if mode.startswith("specedge"):  # the best ratio this machine allows, from the server's measured curve
             assert record["vs_ar"]["ideal_throughput_x"] > 0 and record["vs_ar"]["of_ideal"] > 0
+        if mode == "specedge":  # every draft is waited for: the rounds' visible drafting is all of the edges'
+            assert record["visible_draft_ms_per_round"] * record["drafted_rounds"] >= 0.99e3 * record["edge_busy_s"]
         # Holds, scraped from the server: a share of the steps, never more than all of them.
         assert 0 <= record["held_steps_fraction"] <= 1 and record["hold_misses"] >= 0
     # The server's cost curve, scraped from its /metrics: calibration's sizes and the run's steps, by tokens.

@@ -39,6 +39,9 @@ def test_edge_json_speculative_equals_server_only(server, tiny_draft_dir):
         "itl_ms",
         "proactive_hit_rate",
         "wait_hidden_share",
+        "visible_draft_ms",
+        "hidden_draft_ms",
+        "wait_ms",
         "resumes",
         "fallback",
     }
