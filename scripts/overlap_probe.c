@@ -7,7 +7,7 @@
 // Each F is timed over a 1 GiB buffer (memory) and over a 16 KiB one walked as many times (the same FMAs from
 // L1), in turn with F = 1 over the 1 GiB (the stream), medians of 7. "mem/max" is the memory time over
 // max(stream, this F's cache time): 1.00x is a perfect overlap. `offset` places the buffers that many bytes past a 64-byte boundary.
-// README.md's 8 x 1 paragraph quotes its figures; `specedge-bench engine` measures the real kernels.
+// docs/engine-cpu.md's 8 x 1 paragraph quotes its figures; `specedge-bench engine` measures the real kernels.
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>

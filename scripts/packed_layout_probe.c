@@ -1,5 +1,5 @@
 // Would weights packed along N (oneDNN's layout) make a small-M product cheaper than the plain rows the numba
-// kernel reads? README.md's 8 x 1 paragraph quotes this probe.
+// kernel reads? docs/engine-cpu.md's 8 x 1 paragraph quotes this probe.
 //
 //     gcc -O3 -mavx2 -mfma -fopenmp scripts/packed_layout_probe.c -o /tmp/packed_probe -lm && /tmp/packed_probe
 //

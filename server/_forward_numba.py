@@ -35,7 +35,7 @@ forwards of the 1.5B on the 2-core Xeon, in turn with the kernel before each cha
 1 x 5 0.92-0.95x and 8 x 1 0.92-0.95x; 2 x 5 to 5 x 5 0.93-0.95x, 8 x 5 0.99x.
 `_prefetching_tile` writes the tiles in LLVM IR because a prefetch inside a numba
 loop stops LLVM from vectorizing it. Prefetching a whole share at once, between
-passes, was slower (README.md's 8 x 1 paragraph).
+passes, was slower (docs/engine-cpu.md's 8 x 1 paragraph).
 
 Attention. Every short row of a step (a decode token, a verify chain or tree)
 attends to its own KV slot in one call: one parallel task per (row, KV head),
@@ -666,7 +666,7 @@ def _prefetch_keys(rows, first, share, shares, end, num_kv_heads, kv_head):
     """Prefetch into L1 the share-th of `shares` parts of keys first .. first + 3 of one head, those below end
     (the keys a row sees): rows key * KVH + kv_head of rows [max_len * KVH, D]. A loop over four keys calls it
     once per part, spread over its work: issued at once, the same prefetches took 0.79-0.92x the time of
-    none; spread, 0.67-0.85x (README.md's attention paragraph)."""
+    none; spread, 0.67-0.85x (docs/engine-cpu.md's attention paragraph)."""
     for key in range(first + share * 4 // shares, min(first + (share + 1) * 4 // shares, end)):
         _prefetch_row(rows, key * num_kv_heads + kv_head)
 
