@@ -17,6 +17,8 @@
 - mean_accepted_length: 1 + accepted tokens / drafted rounds (vLLM's);
 - proactive_hit_rate: rounds whose next draft was ready (a guess came true) /
   rounds drafted ahead for; None where proactive drafting is off;
+- prompt_tokens_per_token: the cell's prompt tokens over its answers' tokens after
+  the first, the prefill each decoded token carries;
 - visible_draft_ms_per_round: the drafting rounds waited for (the edges' visible_draft_ms)
   per drafted round: all of it without proactive drafting, what the guesses did not hide with it;
 - server_busy_fraction: engine step time (forwards, server drafting, planning,
@@ -77,6 +79,7 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         for position, count in run.counters.accepted_per_pos.items():
             per_pos[position] = per_pos.get(position, 0.0) + count
     tokens = sum(len(r.token_ids) for r in results)
+    decoded = sum(max(0, len(r.token_ids) - 1) for r in results)  # each answer's tokens after its first
     windows = [steady_window(run.results) for run in runs]
     decode_tokens = sum(w[0] for w in windows)
     decode_s = sum(w[1] for w in windows)
@@ -98,6 +101,8 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         "run_throughput_tok_s": _ratio(tokens, wall_s),
         "decode_window_s": decode_s,
         "decode_tokens": decode_tokens,
+        # Each answer's prompt is prefilled once: prompt tokens per token decoded (the ideal counts their cost).
+        "prompt_tokens_per_token": _ratio(sum(r.prompt_tokens for r in results), decoded),
         "steady": all(w[2] for w in windows),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p95_ms": percentile(itl, 95),
@@ -196,7 +201,8 @@ def add_ideal(records: list[dict], curve: CostCurve | None) -> None:
     The draft time d of a round is the drafting it waited for, as the edges measured it, per drafted round:
     all of an edge's drafting without proactive drafting; with it, only what the guesses did not hide (a
     round whose guess came true waits for none). Taking d = 0 there, as if every guess came true, would
-    count the edges' misses against the server.
+    count the edges' misses against the server. Prompts are prefilled in both modes, at the curve's marginal
+    cost per token: prompt_tokens_per_token of them for every token decoded.
     """
     for record in records:
         x = record.get("vs_ar")
@@ -207,7 +213,8 @@ def add_ideal(records: list[dict], curve: CostCurve | None) -> None:
             continue
         draft_s = record["visible_draft_ms_per_round"] / 1e3
         k, rtt_s = record["draft_tokens_per_round"], record["rtt_ms"] / 1e3
-        ideal = ideal_ratio(curve, record["num_edges"], record["mean_accepted_length"], k, rtt_s, draft_s)
+        prompts = record["prompt_tokens_per_token"] or 0.0
+        ideal = ideal_ratio(curve, record["num_edges"], record["mean_accepted_length"], k, rtt_s, draft_s, prompts)
         x["ideal_throughput_x"] = ideal
         x["of_ideal"] = _safe_div(x["throughput_x"], ideal)
 

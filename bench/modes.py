@@ -59,6 +59,7 @@ class RequestResult:
     proactive_rounds: int
     proactive_hits: int
     identical: bool | None = None  # equal to the reference answer (None: no reference)
+    prompt_tokens: int = 0  # the prompt the server prefilled for it
 
     @property
     def ttft_ms(self) -> float | None:
@@ -170,6 +171,7 @@ async def run_cell(
                     stats=result.stats.as_dict(),
                     proactive_rounds=result.stats.proactive_rounds,
                     proactive_hits=result.stats.proactive_hits,
+                    prompt_tokens=len(job.token_ids),
                 )
             )
             on_done()

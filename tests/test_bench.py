@@ -165,6 +165,7 @@ def _result(
     edge=0,
     start_s=0.0,
     visible_draft_ms=0.0,
+    prompt_tokens=0,
 ) -> RequestResult:
     count = sum(n for _, n in deliveries)
     return RequestResult(
@@ -184,6 +185,7 @@ def _result(
         proactive_rounds=rounds,
         proactive_hits=hits,
         identical=True,
+        prompt_tokens=prompt_tokens,
     )
 
 
@@ -220,7 +222,7 @@ def _two_records() -> tuple[dict, dict]:
         [
             CellRun(
                 10.0,
-                [_result([(i * 100.0, 1) for i in range(50)], edge=e) for e in (0, 1)],
+                [_result([(i * 100.0, 1) for i in range(50)], edge=e, prompt_tokens=98) for e in (0, 1)],
                 _counters(forward_s=8, steps=100, rows=200),
                 0.0,
                 1.0,
@@ -281,6 +283,7 @@ def test_cell_summary_throughput_cost_and_ratios():
     # Decode: tokens after each first, over the window both edges stream in: 2 x 49 in 4.9 s; 2 x 2 x 24 in 3.84 s.
     assert ar["throughput_tok_s"] == pytest.approx(20.0) and spec["throughput_tok_s"] == pytest.approx(25.0)
     assert ar["run_throughput_tok_s"] == 10.0 and ar["acceptance_rate"] is None and ar["proactive_hit_rate"] is None
+    assert ar["prompt_tokens_per_token"] == 2.0  # 98-token prompts for answers of 50: 49 decoded tokens each
     assert ar["cost_per_mtok_usd"] == pytest.approx(10.0 / 100 * 1e6)
     assert spec["run_throughput_tok_s"] == 25.0 and spec["server_busy_fraction"] == 1.0
     assert spec["acceptance_rate"] == 0.75 and spec["mean_accepted_length"] == 4.0
@@ -351,6 +354,28 @@ def test_ideal_ratio_from_the_measured_cost_curve():
     assert spec["vs_ar"]["ideal_throughput_x"] == pytest.approx(expected, rel=1e-4)
     assert spec["vs_ar"]["of_ideal"] == pytest.approx(1.25 / expected, rel=1e-4)
     assert "ideal_throughput_x" not in ar["vs_ar"]
+
+
+def test_the_ideal_counts_the_prompts_both_modes_prefill():
+    curve = CostCurve([(40, 0.45), (5, 0.19), (8, 0.20)])
+    b = 0.25 / 32  # the slope over the two largest steps: a prefilled token's marginal cost
+    assert curve.marginal_s() == pytest.approx(b) and CostCurve([(4, 0.2)]).marginal_s() == 0.0
+    # N = 1: the edge waits for its own prompt too; AR's token carries the same prefill, p = 2 b.
+    p = 2 * b
+    assert ideal_ratio(curve, 1, 3.2, 4, 0.014, 0.06, 2.0) == pytest.approx(
+        (0.19 + p) * 3.2 / (0.19 + 0.06 + 0.014 + 3.2 * p)
+    )
+    assert ideal_ratio(curve, 1, 3.2, 4, 0.014, 0.06, 2.0) < ideal_ratio(curve, 1, 3.2, 4, 0.014, 0.06)
+    # N = 8: the server runs every edge's prefill (8 L p a cycle), an edge waits for its own (L p), so the bounds
+    # cross where (c - 1) T(40 / c) = d + RTT - 7 L p.
+    p = 0.2 * b
+    cycle = _cohorts_crossing(curve, 40, 0.074 - 7 * 3.2 * p) + 8 * 3.2 * p
+    assert ideal_cycle(curve, 8, 4, 0.014, 0.06, 3.2 * p) == pytest.approx(cycle, rel=1e-4)
+    assert ideal_ratio(curve, 8, 3.2, 4, 0.014, 0.06, 0.2) == pytest.approx((0.20 / 8 + p) * 3.2 * 8 / cycle, rel=1e-4)
+    # Prefill work the server cannot hide behind the edges: one merged step, the server's bound.
+    p = 1.0 * b
+    cycle = curve.seconds(10) + 2 * 4 * p
+    assert ideal_ratio(curve, 2, 4, 4, 0.014, 0.010, 1.0) == pytest.approx((0.19 / 2 + p) * 4 * 2 / cycle, rel=1e-4)
 
 
 def test_report_writes_json_markdown_and_png(tmp_path):
@@ -448,6 +473,7 @@ def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, 
         assert record["run_throughput_tok_s"] > 0 and record["decode_window_s"] > 0
         if mode.startswith("specedge"):  # the best ratio this machine allows, from the server's measured curve
             assert record["vs_ar"]["ideal_throughput_x"] > 0 and record["vs_ar"]["of_ideal"] > 0
+        assert record["prompt_tokens_per_token"] > 0  # every answer's prompt, counted for the ideal
         if mode == "specedge":  # every draft is waited for: the rounds' visible drafting is all of the edges'
             assert record["visible_draft_ms_per_round"] * record["drafted_rounds"] >= 0.99e3 * record["edge_busy_s"]
         # Holds, scraped from the server: a share of the steps, never more than all of them.
