@@ -17,8 +17,9 @@
 - mean_accepted_length: 1 + accepted tokens / drafted rounds (vLLM's);
 - proactive_hit_rate: rounds whose next draft was ready (a guess came true) /
   rounds drafted ahead for; None where proactive drafting is off;
-- prompt_tokens_per_token: the cell's prompt tokens over its answers' tokens after
-  the first, the prefill each decoded token carries;
+- prompt_tokens_per_token: the prompt tokens prefilled inside the steady window
+  (the requests whose first token arrived in it) per token counted in
+  throughput_tok_s: the prefill each decoded token carries;
 - visible_draft_ms_per_round: the drafting rounds waited for (the edges' visible_draft_ms)
   per drafted round: all of it without proactive drafting, what the guesses did not hide with it;
 - server_busy_fraction: engine step time (forwards, server drafting, planning,
@@ -79,7 +80,6 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         for position, count in run.counters.accepted_per_pos.items():
             per_pos[position] = per_pos.get(position, 0.0) + count
     tokens = sum(len(r.token_ids) for r in results)
-    decoded = sum(max(0, len(r.token_ids) - 1) for r in results)  # each answer's tokens after its first
     windows = [steady_window(run.results) for run in runs]
     decode_tokens = sum(w[0] for w in windows)
     decode_s = sum(w[1] for w in windows)
@@ -101,8 +101,8 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         "run_throughput_tok_s": _ratio(tokens, wall_s),
         "decode_window_s": decode_s,
         "decode_tokens": decode_tokens,
-        # Each answer's prompt is prefilled once: prompt tokens per token decoded (the ideal counts their cost).
-        "prompt_tokens_per_token": _ratio(sum(r.prompt_tokens for r in results), decoded),
+        # The prompts prefilled inside the window, per token decoded in it (the ideal counts their cost).
+        "prompt_tokens_per_token": _ratio(sum(window_prompt_tokens(run.results) for run in runs), decode_tokens),
         "steady": all(w[2] for w in windows),
         "itl_p50_ms": percentile(itl, 50),
         "itl_p95_ms": percentile(itl, 95),
@@ -147,23 +147,45 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
 
 def steady_window(results: Sequence[RequestResult]) -> tuple[int, float, bool]:
     """(tokens after each request's first, seconds, whether a steady window existed) for one run."""
+    bounds = _window_bounds(results)
+    if bounds is None:
+        return 0, 0.0, False
+    full, drain, steady = bounds
+    deliveries = [(r.start_s + at / 1e3, count, i == 0) for r in results for i, (at, count) in enumerate(r.deliveries)]
+    tokens = sum(count for at, count, first in deliveries if not first and full < at <= drain)
+    return tokens, max(0.0, drain - full), steady
+
+
+def window_prompt_tokens(results: Sequence[RequestResult]) -> int:
+    """The prompt tokens prefilled inside one run's steady window: those of the requests whose first token
+    arrived in it (the first requests' prompts, in the ramp-up, are outside)."""
+    bounds = _window_bounds(results)
+    if bounds is None:
+        return 0
+    full, drain, _ = bounds
+    return sum(
+        r.prompt_tokens for r in results if r.deliveries and full < r.start_s + r.deliveries[0][0] / 1e3 <= drain
+    )
+
+
+def _window_bounds(results: Sequence[RequestResult]) -> tuple[float, float, bool] | None:
+    """(start, end, steady) of steady_window's window in seconds since the cell started; None: nothing delivered."""
     by_edge: dict[int, list[RequestResult]] = {}
     for r in results:
         if r.deliveries:
             by_edge.setdefault(r.edge, []).append(r)
     if not by_edge:
-        return 0, 0.0, False
-    deliveries = [(r.start_s + at / 1e3, count, i == 0) for r in results for i, (at, count) in enumerate(r.deliveries)]
-    first_tokens = [r.start_s + r.deliveries[0][0] / 1e3 for r in results if r.deliveries]
+        return None
     starts = [min(rs, key=lambda r: r.start_s) for rs in by_edge.values()]
     ends = [max(rs, key=lambda r: r.start_s) for rs in by_edge.values()]
     full = max(r.start_s + r.deliveries[0][0] / 1e3 for r in starts)  # every edge is streaming
     drain = min(r.start_s + r.deliveries[-1][0] / 1e3 for r in ends)  # the first edge has finished
-    steady = drain > full
-    if not steady:
-        full, drain = min(first_tokens), max(at for at, _, _ in deliveries)
-    tokens = sum(count for at, count, first in deliveries if not first and full < at <= drain)
-    return tokens, max(0.0, drain - full), steady
+    if drain > full:
+        return full, drain, True
+    delivered = [r for r in results if r.deliveries]
+    first = min(r.start_s + r.deliveries[0][0] / 1e3 for r in delivered)
+    last = max(r.start_s + r.deliveries[-1][0] / 1e3 for r in delivered)
+    return first, last, False
 
 
 def per_category(results: Sequence[RequestResult]) -> dict[str, float]:

@@ -17,7 +17,15 @@ from harness import tiny_server
 from specedge.bench import cli
 from specedge.bench.config import MODES, BenchConfig, Pricing
 from specedge.bench.ideal import CostCurve, ideal_cycle, ideal_ratio
-from specedge.bench.metrics import REQUIRED_FIELDS, add_ideal, add_ratios, percentile, steady_window, summarize_cell
+from specedge.bench.metrics import (
+    REQUIRED_FIELDS,
+    add_ideal,
+    add_ratios,
+    percentile,
+    steady_window,
+    summarize_cell,
+    window_prompt_tokens,
+)
 from specedge.bench.modes import Cell, CellRun, Job, RequestResult, run_cell
 from specedge.bench.prompts import assignment, interleave, load_prompts
 from specedge.bench.report import write_report
@@ -283,7 +291,7 @@ def test_cell_summary_throughput_cost_and_ratios():
     # Decode: tokens after each first, over the window both edges stream in: 2 x 49 in 4.9 s; 2 x 2 x 24 in 3.84 s.
     assert ar["throughput_tok_s"] == pytest.approx(20.0) and spec["throughput_tok_s"] == pytest.approx(25.0)
     assert ar["run_throughput_tok_s"] == 10.0 and ar["acceptance_rate"] is None and ar["proactive_hit_rate"] is None
-    assert ar["prompt_tokens_per_token"] == 2.0  # 98-token prompts for answers of 50: 49 decoded tokens each
+    assert ar["prompt_tokens_per_token"] == 0.0  # both prompts were prefilled before the window opened
     assert ar["cost_per_mtok_usd"] == pytest.approx(10.0 / 100 * 1e6)
     assert spec["run_throughput_tok_s"] == 25.0 and spec["server_busy_fraction"] == 1.0
     assert spec["acceptance_rate"] == 0.75 and spec["mean_accepted_length"] == 4.0
@@ -315,6 +323,22 @@ def test_decode_throughput_counts_only_the_window_every_edge_streams_in():
     apart = [_result([(250.0, 1), (500.0, 2)]), _result([(250.0, 1), (500.0, 1)], edge=1, start_s=0.5)]
     tokens, seconds, steady = steady_window(apart)
     assert (tokens, steady) == (3, False) and seconds == pytest.approx(0.75)
+
+
+def test_the_prompts_prefilled_inside_the_window_are_counted_per_token_decoded_in_it():
+    # Edge 0 as above; edge 1 answers from 1.25 s to 1.4 s, then asks again: the window is 1.25-1.5 s. Edge 0's
+    # second prompt (first token at 1.0 s) and edge 1's first (1.25 s, the window's start) were prefilled before
+    # it; edge 1's second (first token at 1.45 s) inside it.
+    results = [
+        _result([(250.0, 1), (500.0, 1), (750.0, 1)], prompt_tokens=100),
+        _result([(250.0, 1), (500.0, 2), (750.0, 1)], start_s=0.75, prompt_tokens=40),
+        _result([(250.0, 1), (400.0, 1)], edge=1, start_s=1.0, prompt_tokens=30),
+        _result([(50.0, 1), (300.0, 1)], edge=1, start_s=1.4, prompt_tokens=60),
+    ]
+    assert window_prompt_tokens(results) == 60
+    pricing = Pricing("srv", "edge", (("srv", 3600.0), ("edge", 360.0)))
+    record = summarize_cell(Cell("ar", 3, 14.0), [CellRun(2.0, results, _counters(steps=10), 0.0, 1.0)], pricing)
+    assert record["decode_tokens"] == 2 and record["prompt_tokens_per_token"] == 30.0
 
 
 def _cohorts_crossing(curve: CostCurve, tokens: float, extra_s: float) -> float:
