@@ -34,8 +34,12 @@ gains L * p) and which the server runs along with the other N - 1 edges' (its bo
     C >= c * T(N * (1 + k) / c) + N * L * p    and    C >= T(N * (1 + k) / c) + d + RTT + L * p
     ideal ratio = (T(N) / N + p) / (C / (L * N))
 
-Where the edges bound the cycle, the server is idle while they draft, and other edges' prefills can fill
-that time: the best c moves towards one merged step, and the prefill costs less than p a token. Recomputed
+Where the edges bound the cycle, the server is idle while they draft, and the bounds let other edges'
+prefills fill that time. A schedule that did so would pay a step's fixed cost for each step it ran in those
+gaps, which the bounds leave out: so this stays an upper bound, but its best c (often one merged step once
+prompts count) is not a schedule to aim for. With every prefill riding in the round steps instead (each step
+carrying N * L * p / c of it, which its rounds wait for), the recorded CPU runs' ideal at N = 8 would be
+0.00-0.10x lower, at c = 1.0-1.3. Recomputed
 over the recorded runs on a 2-core CPU (48-token answers, q 1.4-1.8, b 8-9 ms): SpecEdge at N = 8 -0.01x to
 +0.05x against the ideal without prompts, proactive drafting there 1.36-1.40x where it was 1.43-1.63x (its
 drafts leave the server little idle time to hide prefill in), N = 1 0.02-0.04x lower.
