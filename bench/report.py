@@ -63,7 +63,8 @@ def summary_markdown(results: dict) -> str:
         "Throughput is decode throughput: tokens after each request's first, per second while every edge is "
         "mid-stream (ramp-up and drain excluded); *whole run* counts every token over the cell's wall time. "
         "*Ideal* is the best ratio this machine allows, from the server's cost curve measured in this run and "
-        "each cell's acceptance, draft length, round trip and draft time (bench/ideal.py, README).",
+        "each cell's acceptance, draft length, round trip, the drafting its rounds waited for and the prompts "
+        "prefilled in its window (bench/ideal.py, README).",
         "",
         "| mode | N | RTT ms | throughput x | ideal x | of ideal | whole run x | ITL p50 x | ITL p95 x | "
         "cost efficiency x | acceptance | identical |",
