@@ -77,7 +77,7 @@ class CostCurve:
         i = min(bisect.bisect_left(xs, tokens), len(xs) - 1)  # the segment (i - 1, i) holds tokens, or the last
         (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
         if tokens > x1:  # past the last point: its segment's slope, never downhill
-            return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (tokens - x1)
+            return y1 + self.marginal_s() * (tokens - x1)
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
     def marginal_s(self) -> float:
