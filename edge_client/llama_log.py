@@ -1,6 +1,6 @@
 """Send llama.cpp's log lines to Python logging instead of the terminal.
 
-llama-cpp-python 0.3.16 prints some llama.cpp messages to stderr even with
+llama-cpp-python (0.3.16, 0.3.36) prints some llama.cpp messages to stderr even with
 verbose=False (those logged at level NONE, e.g. the context-size notice of a
 vocab-only load), which breaks the edge's contract of one actionable line on
 stderr. `llama_log_set` is llama.cpp's own hook for this.
@@ -15,7 +15,7 @@ import llama_cpp
 
 log = logging.getLogger("llama.cpp")
 
-# ggml_log_level as of the llama.cpp inside llama-cpp-python 0.3.16: 0 none,
+# ggml_log_level as of the llama.cpp inside llama-cpp-python 0.3.16 and 0.3.36: 0 none,
 # 1 debug, 2 info, 3 warn, 4 error, 5 continuation. (llama-cpp-python's own
 # callback still maps an older enum, which is why its info lines leak.)
 _LEVELS = {2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}

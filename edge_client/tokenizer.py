@@ -87,7 +87,7 @@ class GGUFTokenizer:
         return self._vocab_model.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        # Not Llama.detokenize: in 0.3.16 it renders each token into a 32-byte
+        # Not Llama.detokenize: in 0.3.16 and 0.3.36 it renders each token into a 32-byte
         # buffer and silently mangles longer pieces (runs of spaces or "=" in
         # code vocabularies). llama_detokenize reports the size it needs.
         # An unknown id would abort the process inside llama.cpp, hence the check.

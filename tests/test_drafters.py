@@ -543,8 +543,9 @@ def test_llama_cpp_rollback_and_rounds(smollm2_path, smollm2_reference, smollm2_
 
 @pytest.mark.real_model
 def test_llama_cpp_batches_of_32_and_64_agree_with_one_token_after_the_rest(smollm2_path, smollm2_prompt):
-    """Built on a CPU with AMX, llama.cpp once ran this Q4_1 model's 32- and 64-token batches through kernels
-    that moved its next-token probabilities by up to 0.64 and changed the argmax: the drafter loads without them."""
+    """Built on a CPU with AMX, llama.cpp 0.3.16 ran this Q4_1 model's 32- and 64-token batches through kernels
+    that moved its next-token probabilities by up to 0.64 and changed the argmax, and 0.3.36's segfault on any
+    batch of two or more: the drafter loads without them."""
     from specedge.edge_client.drafting.llama_cpp import LlamaCppDrafter
 
     drafter = LlamaCppDrafter(smollm2_path, n_ctx=512)
@@ -561,8 +562,9 @@ def test_llama_cpp_batches_of_32_and_64_agree_with_one_token_after_the_rest(smol
 def test_llama_cpp_clamps_to_context_size(smollm2_path, smollm2_prompt):
     from specedge.edge_client.drafting.llama_cpp import LlamaCppDrafter
 
-    drafter = LlamaCppDrafter(smollm2_path, n_ctx=64)  # llama.cpp keeps 64 as is
-    padded = (smollm2_prompt * 4)[:60]
+    drafter = LlamaCppDrafter(smollm2_path, n_ctx=256)  # llama.cpp keeps 256 as is (it rounds others up to it)
+    assert drafter._require_open().n_ctx() == 256
+    padded = (smollm2_prompt * 256)[:252]
     assert len(drafter.propose(padded, 8).token_ids) == 4
     assert drafter.propose(padded + [198] * 10, 8).token_ids == ()
     with pytest.raises(ValueError, match="outside the draft vocabulary"):

@@ -6,7 +6,7 @@ cache entry from `keep` on (it calls `kv_cache_seq_rm` first). So each round
 costs only the tokens that are new since the last one.
 
 Logits are read straight from llama.cpp's output buffer. With
-`logits_all=False`, `Llama.eval` in llama-cpp-python 0.3.16 does not copy
+`logits_all=False`, `Llama.eval` in llama-cpp-python 0.3.16 and 0.3.36 does not copy
 logits into `Llama.scores` at all (that array stays uninitialised), and
 `logits_all=True` would allocate n_ctx x vocab floats (1.2 GB for a Qwen
 vocabulary at 2048). `llama_get_logits_ith(ctx, -1)` is the last evaluated
@@ -39,22 +39,22 @@ from specedge.tokens import fingerprint_from_gguf
 
 log = logging.getLogger(__name__)
 
-# llama-cpp-python 0.3.16's llama.cpp, built on a CPU with AMX, runs Q4_0 and Q4_1 weights through AMX kernels that
-# return wrong logits for batches of 32 and 64 tokens: on a Xeon with AMX, SmolLM2-135M Q4_1's next-token
-# probabilities moved by up to 0.64 and its argmax changed against the same tokens in two batches
-# (ggml-org/llama.cpp#16315, fixed upstream after this release). Q4_K (the default draft) measured correct.
-_AMX_MISCOMPUTED = frozenset({llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1})
+# Where llama.cpp is built with AMX (recent Xeons), its AMX kernels are not safe to draft with, so models load
+# without them (and without the repacked layouts, which the same switch governs):
+# - llama-cpp-python 0.3.16 ran Q4_0 and Q4_1 weights through AMX kernels that returned wrong logits for batches of
+#   32 and 64 tokens: SmolLM2-135M Q4_1's next-token probabilities moved by up to 0.64 and its argmax changed
+#   (ggml-org/llama.cpp#16315);
+# - 0.3.36 segfaults in the AMX product on every batch of two tokens or more, Q4_K_M and Q4_1 alike
+#   (ggml-org/llama.cpp#20824, open upstream).
+# On a 2-core Xeon, the Qwen2.5-Coder 0.5B Q4_K_M on 0.3.36 without them prefills as fast as 0.3.16 did with them
+# and drafts a token 1.07-1.10x slower; 0.3.16 without them, the nearest measure here of a CPU without AMX, took
+# 1.11-1.18x 0.3.36's prefill and 1.02-1.05x its token.
 _MODEL_PARAMS_LOCK = threading.Lock()
 
 
-def _amx_miscomputes(llm: llama_cpp.Llama) -> bool:
-    """Whether this llama.cpp build runs the model's weights through its miscomputing AMX kernels."""
-    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
-        return False
-    try:
-        return int(llm.metadata.get("general.file_type", -1)) in _AMX_MISCOMPUTED
-    except ValueError:
-        return False
+def _amx_in_build() -> bool:
+    """Whether this llama.cpp build would put weights in its AMX buffers."""
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
 
 
 @contextlib.contextmanager
@@ -105,16 +105,16 @@ class LlamaCppDrafter:
                 verbose=False,
             )
 
-        self._llm: llama_cpp.Llama | None = load()
-        if _amx_miscomputes(self._llm):
-            log.warning(
-                "%s: llama.cpp's AMX kernels miscompute Q4_0 and Q4_1 weights on this CPU; drafting without them "
-                "(correct, about half the speed): a Q4_K or Q8_0 GGUF keeps them",
+        if _amx_in_build():
+            log.info(
+                "%s: this llama.cpp was built with AMX, whose kernels crash or miscompute (ggml-org/llama.cpp#20824); "
+                "drafting without them and without repacked weights",
                 pathlib.Path(model_path).name,
             )
-            self._llm.close()
             with _extra_buffer_types_off():
-                self._llm = load()
+                self._llm: llama_cpp.Llama | None = load()
+        else:
+            self._llm = load()
         self._num_vocab = self._llm.n_vocab()
         self._max_tokens = self._llm.n_ctx()
         self.fingerprint = fingerprint_from_gguf(model_path)
