@@ -541,6 +541,30 @@ def test_llama_cpp_rollback_and_rounds(smollm2_path, smollm2_reference, smollm2_
         assert evaluated_per_call == [1, 1, 1, 1]  # the server's token, then one per draft: no re-prefill
 
 
+@pytest.mark.parametrize(
+    ("system_info", "version", "file_type", "hazard"),
+    [
+        (b"AVX512 = 1 | AMX_INT8 = 0 |", "0.3.36", "Q4_K_M", None),  # no AMX: nothing to avoid
+        (b"AVX512 = 1 | AMX_INT8 = 1 |", "0.3.16", "Q4_K_M", None),  # measured correct there
+        (b"AVX512 = 1 | AMX_INT8 = 1 |", "0.3.16", "Q4_1", "miscompute"),
+        (b"AVX512 = 1 | AMX_INT8 = 1 |", "0.3.36", "Q4_K_M", "segfault"),  # any batch of two tokens or more
+        (b"AVX512 = 1 | AMX_INT8 = 1 |", "0.3.20", "Q4_K_M", "checked only in"),  # unchecked: as 0.3.36
+    ],
+)
+def test_llama_cpp_amx_kernels_only_where_they_measured_correct(monkeypatch, system_info, version, file_type, hazard):
+    import llama_cpp
+
+    from specedge.edge_client.drafting import llama_cpp as drafting
+
+    class Model:  # what _amx_hazard reads of a loaded llama_cpp.Llama
+        metadata = {"general.file_type": str(getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}"))}
+
+    monkeypatch.setattr(llama_cpp, "llama_print_system_info", lambda: system_info)
+    monkeypatch.setattr(llama_cpp, "__version__", version)
+    reason = drafting._amx_hazard(Model())  # type: ignore[arg-type]
+    assert reason is None if hazard is None else hazard in reason
+
+
 @pytest.mark.real_model
 def test_llama_cpp_batches_of_32_and_64_agree_with_one_token_after_the_rest(smollm2_path, smollm2_prompt):
     """Built on a CPU with AMX, llama.cpp 0.3.16 ran this Q4_1 model's 32- and 64-token batches through kernels

@@ -39,22 +39,35 @@ from specedge.tokens import fingerprint_from_gguf
 
 log = logging.getLogger(__name__)
 
-# Where llama.cpp is built with AMX (recent Xeons), its AMX kernels are not safe to draft with, so models load
-# without them (and without the repacked layouts, which the same switch governs):
-# - llama-cpp-python 0.3.16 ran Q4_0 and Q4_1 weights through AMX kernels that returned wrong logits for batches of
-#   32 and 64 tokens: SmolLM2-135M Q4_1's next-token probabilities moved by up to 0.64 and its argmax changed
-#   (ggml-org/llama.cpp#16315);
+# Where llama.cpp is built with AMX (recent Xeons), its AMX kernels are used only where they measured correct;
+# elsewhere models load without them (and without the repacked layouts, which the same switch governs):
+# - llama-cpp-python 0.3.16 (the pinned version) runs Q4_0 and Q4_1 weights through AMX kernels that return wrong
+#   logits for batches of 32 and 64 tokens: SmolLM2-135M Q4_1's next-token probabilities moved by up to 0.64 and
+#   its argmax changed (ggml-org/llama.cpp#16315). Its Q4_K kernels measured correct: on a 2-core Xeon the built-in
+#   0.5B Q4_K_M drafts a token 1.10-1.15x faster with them, and scripts/demo.sh answers 1.11-1.16x faster.
 # - 0.3.36 segfaults in the AMX product on every batch of two tokens or more, Q4_K_M and Q4_1 alike
-#   (ggml-org/llama.cpp#20824, open upstream).
-# On a 2-core Xeon, the Qwen2.5-Coder 0.5B Q4_K_M on 0.3.36 without them prefills as fast as 0.3.16 did with them
-# and drafts a token 1.07-1.10x slower; 0.3.16 without them, the nearest measure here of a CPU without AMX, took
-# 1.11-1.18x 0.3.36's prefill and 1.02-1.05x its token.
+#   (ggml-org/llama.cpp#20824, open upstream). Versions other than the pinned one are treated alike.
+_AMX_CHECKED_VERSION = "0.3.16"
+_AMX_MISCOMPUTED = frozenset({llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1})
 _MODEL_PARAMS_LOCK = threading.Lock()
 
 
-def _amx_in_build() -> bool:
-    """Whether this llama.cpp build would put weights in its AMX buffers."""
-    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+def _amx_hazard(llm: llama_cpp.Llama) -> str | None:
+    """Why this llama.cpp build's AMX kernels must not run the model, or None (no AMX, or measured correct)."""
+    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+        return None
+    if llama_cpp.__version__ != _AMX_CHECKED_VERSION:
+        return (
+            f"llama.cpp's AMX kernels are checked only in llama-cpp-python {_AMX_CHECKED_VERSION}, not "
+            f"{llama_cpp.__version__} (0.3.36's segfault on batches of two tokens or more: ggml-org/llama.cpp#20824)"
+        )
+    try:
+        file_type = int(llm.metadata.get("general.file_type", -1))
+    except ValueError:
+        return None
+    if file_type in _AMX_MISCOMPUTED:
+        return "llama.cpp's AMX kernels miscompute Q4_0 and Q4_1 weights on this CPU (a Q4_K or Q8_0 GGUF keeps them)"
+    return None
 
 
 @contextlib.contextmanager
@@ -105,16 +118,12 @@ class LlamaCppDrafter:
                 verbose=False,
             )
 
-        if _amx_in_build():
-            log.info(
-                "%s: this llama.cpp was built with AMX, whose kernels crash or miscompute (ggml-org/llama.cpp#20824); "
-                "drafting without them and without repacked weights",
-                pathlib.Path(model_path).name,
-            )
+        self._llm: llama_cpp.Llama | None = load()
+        if hazard := _amx_hazard(self._llm):
+            log.warning("%s: %s; drafting without them", pathlib.Path(model_path).name, hazard)
+            self._llm.close()
             with _extra_buffer_types_off():
-                self._llm: llama_cpp.Llama | None = load()
-        else:
-            self._llm = load()
+                self._llm = load()
         self._num_vocab = self._llm.n_vocab()
         self._max_tokens = self._llm.n_ctx()
         self.fingerprint = fingerprint_from_gguf(model_path)
