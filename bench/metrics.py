@@ -39,7 +39,7 @@ import statistics
 from collections.abc import Sequence
 
 from .config import SERVER_DRIVEN, Pricing
-from .ideal import CostCurve, ideal_ratio
+from .ideal import CostCurve, ideal_ratio, schedule_rate
 from .modes import Cell, CellRun, RequestResult
 
 REQUIRED_FIELDS = (
@@ -239,6 +239,27 @@ def add_ideal(records: list[dict], curve: CostCurve | None) -> None:
         ideal = ideal_ratio(curve, record["num_edges"], record["mean_accepted_length"], k, rtt_s, draft_s, prompts)
         x["ideal_throughput_x"] = ideal
         x["of_ideal"] = _safe_div(x["throughput_x"], ideal)
+
+
+def add_schedule(records: list[dict], curve: CostCurve | None) -> None:
+    """Each AR and edge-drafted record's `schedule_tok_s`, the rate of the best whole-cohort schedule on the run's
+    cost curve (bench/ideal.py's schedule_rate), and `of_schedule`, its decode rate against that."""
+    for record in records:
+        record["schedule_tok_s"] = record["of_schedule"] = None
+        if curve is None or record["mode"] == "server_spec":
+            continue
+        prefill_s = (record["prompt_tokens_per_token"] or 0.0) * curve.marginal_s()
+        rtt_s = record["rtt_ms"] / 1e3
+        if record["mode"] == "ar":
+            rate = schedule_rate(curve, record["num_edges"], 1, 1, rtt_s, prefill_s)
+        elif record["drafted_rounds"]:
+            accepted, turnaround_s = record["mean_accepted_length"], record["visible_draft_ms_per_round"] / 1e3 + rtt_s
+            round_tokens = 1 + record["draft_tokens_per_round"]
+            rate = schedule_rate(curve, record["num_edges"], accepted, round_tokens, turnaround_s, accepted * prefill_s)
+        else:
+            continue
+        record["schedule_tok_s"] = rate
+        record["of_schedule"] = _safe_div(record["throughput_tok_s"], rate)
 
 
 def _safe_div(a: float | None, b: float | None) -> float | None:

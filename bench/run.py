@@ -31,7 +31,7 @@ from specedge.edge_client.drafting.base import Drafter
 from .config import SERVER_DRIVEN, BenchConfig
 from .edges import real_drafters, simulated_drafters
 from .ideal import CostCurve
-from .metrics import add_ideal, add_ratios, summarize_cell
+from .metrics import add_ideal, add_ratios, add_schedule, summarize_cell
 from .modes import Cell, CellRun, Job, run_cell
 from .prompts import assignment, interleave, load_prompts
 from .server import ServerProcess
@@ -103,6 +103,7 @@ def _results(config: BenchConfig, meta: dict, jobs: list[Job], raw, references, 
     records = [summarize_cell(cell, runs, config.pricing) for cell, runs in raw]
     add_ratios(records)
     add_ideal(records, curve)
+    add_schedule(records, curve)
     return {
         "meta": {**meta, "cost_curve": None if curve is None else curve.to_json()},
         "records": records,

@@ -16,11 +16,12 @@ import pytest
 from harness import tiny_server
 from specedge.bench import cli
 from specedge.bench.config import MODES, BenchConfig, Pricing
-from specedge.bench.ideal import CostCurve, ideal_cycle, ideal_ratio
+from specedge.bench.ideal import CostCurve, ideal_cycle, ideal_ratio, schedule_rate
 from specedge.bench.metrics import (
     REQUIRED_FIELDS,
     add_ideal,
     add_ratios,
+    add_schedule,
     percentile,
     steady_window,
     summarize_cell,
@@ -402,6 +403,35 @@ def test_the_ideal_counts_the_prompts_both_modes_prefill():
     assert ideal_ratio(curve, 2, 4, 4, 0.014, 0.010, 1.0) == pytest.approx((0.19 / 2 + p) * 4 * 2 / cycle, rel=1e-4)
 
 
+def test_the_schedule_is_the_best_whole_cohort_round_robin():
+    curve = CostCurve([(1, 0.21), (101, 1.21)])  # T(t) = 0.2 + 0.01 t: a = 0.2 s, b = 0.01 s
+    # N = 8, L = 3, rounds of 4 tokens. Back 0.15 s after its step (< a): one merged step of 32 tokens, then the
+    # server idles while the edges draft (0.52 + 0.15); two cohorts would pay a twice (2 x 0.36).
+    assert schedule_rate(curve, 8, 3, 4, 0.15) == pytest.approx(24 / 0.67)
+    # Back 0.25 s after (> a): two cohorts alternate, each back before the other's step ends (0.36 > 0.25).
+    assert schedule_rate(curve, 8, 3, 4, 0.25) == pytest.approx(24 / 0.72)
+    # The bound takes the fractional c where the two cross (1.63 steps of 19.6 tokens a cycle), which no schedule
+    # of whole cohorts reaches.
+    assert 24 / ideal_cycle(curve, 8, 3, 0.25, 0.0) > schedule_rate(curve, 8, 3, 4, 0.25)
+    # Prefill: the server runs every edge's (8 x 0.02 s a cycle); a cohort's rows wait for the 4 x 0.02 s its step
+    # carries. Merged: 0.52 + 0.16 + 0.25 = 0.93; two cohorts: 0.72 + 0.16 = 0.88.
+    assert schedule_rate(curve, 8, 3, 4, 0.25, 0.02) == pytest.approx(24 / 0.88)
+    # AR at N = 1: a token per step, its prefill and its round trip: 1 / (0.21 + 0.005 + 0.014).
+    assert schedule_rate(curve, 1, 1, 1, 0.014, 0.005) == pytest.approx(1 / 0.229)
+    ar, spec = _two_records()
+    server_spec = dict(spec, mode="server_spec")
+    records = [ar, spec, server_spec]
+    add_schedule(records, curve)
+    q_ar, q_spec, b = ar["prompt_tokens_per_token"], spec["prompt_tokens_per_token"], curve.marginal_s()
+    assert ar["schedule_tok_s"] == pytest.approx(schedule_rate(curve, 2, 1, 1, 0.014, q_ar * b))
+    assert ar["of_schedule"] == pytest.approx(ar["throughput_tok_s"] / ar["schedule_tok_s"])
+    L, k, d = spec["mean_accepted_length"], spec["draft_tokens_per_round"], spec["visible_draft_ms_per_round"] / 1e3
+    assert spec["schedule_tok_s"] == pytest.approx(schedule_rate(curve, 2, L, 1 + k, d + 0.014, L * q_spec * b))
+    assert server_spec["schedule_tok_s"] is None  # the server drafts itself: no edge's turnaround to model
+    add_schedule(records, None)
+    assert ar["schedule_tok_s"] is None and ar["of_schedule"] is None
+
+
 def test_report_writes_json_markdown_and_png(tmp_path):
     records = list(_two_records())
     add_ratios(records)
@@ -498,6 +528,8 @@ def test_bench_runs_every_mode_end_to_end_with_simulated_edges(tiny_target_dir, 
         if mode.startswith("specedge"):  # the best ratio this machine allows, from the server's measured curve
             assert record["vs_ar"]["ideal_throughput_x"] > 0 and record["vs_ar"]["of_ideal"] > 0
         assert record["prompt_tokens_per_token"] > 0  # every answer's prompt, counted for the ideal
+        if mode != "server_spec":  # AR's and the edges' reachable rates, from the same curve
+            assert record["schedule_tok_s"] > 0 and record["of_schedule"] > 0
         if mode == "specedge":  # every draft is waited for: the rounds' visible drafting is all of the edges'
             assert record["visible_draft_ms_per_round"] * record["drafted_rounds"] >= 0.99e3 * record["edge_busy_s"]
         # Holds, scraped from the server: a share of the steps, never more than all of them.
