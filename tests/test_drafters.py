@@ -586,7 +586,7 @@ def test_llama_cpp_batches_of_32_and_64_agree_with_one_token_after_the_rest(smol
 def test_llama_cpp_clamps_to_context_size(smollm2_path, smollm2_prompt):
     from specedge.edge_client.drafting.llama_cpp import LlamaCppDrafter
 
-    drafter = LlamaCppDrafter(smollm2_path, n_ctx=256)  # llama.cpp keeps 256 as is (it rounds others up to it)
+    drafter = LlamaCppDrafter(smollm2_path, n_ctx=256)  # kept as is (0.3.36 rounds others up to a multiple of 256)
     assert drafter._require_open().n_ctx() == 256
     padded = (smollm2_prompt * 256)[:252]
     assert len(drafter.propose(padded, 8).token_ids) == 4
