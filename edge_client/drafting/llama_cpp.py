@@ -52,15 +52,20 @@ _AMX_MISCOMPUTED = frozenset({llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.LLAMA
 _MODEL_PARAMS_LOCK = threading.Lock()
 
 
-def _amx_hazard(llm: llama_cpp.Llama) -> str | None:
-    """Why this llama.cpp build's AMX kernels must not run the model, or None (no AMX, or measured correct)."""
+def _amx_unchecked() -> str | None:
+    """Why this llama.cpp build's AMX kernels must not run any model, or None: known before a model is loaded."""
+    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info() or llama_cpp.__version__ == _AMX_CHECKED_VERSION:
+        return None
+    return (
+        f"llama.cpp's AMX kernels are checked only in llama-cpp-python {_AMX_CHECKED_VERSION}, not "
+        f"{llama_cpp.__version__} (0.3.36's segfault on batches of two tokens or more: ggml-org/llama.cpp#20824)"
+    )
+
+
+def _amx_miscomputes(llm: llama_cpp.Llama) -> str | None:
+    """Why the checked build's AMX kernels must not run this loaded model's weights, or None."""
     if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
         return None
-    if llama_cpp.__version__ != _AMX_CHECKED_VERSION:
-        return (
-            f"llama.cpp's AMX kernels are checked only in llama-cpp-python {_AMX_CHECKED_VERSION}, not "
-            f"{llama_cpp.__version__} (0.3.36's segfault on batches of two tokens or more: ggml-org/llama.cpp#20824)"
-        )
     try:
         file_type = int(llm.metadata.get("general.file_type", -1))
     except ValueError:
@@ -118,14 +123,19 @@ class LlamaCppDrafter:
                 verbose=False,
             )
 
-        self._llm: llama_cpp.Llama | None = load()
-        if hazard := _amx_hazard(self._llm):
+        # An unchecked build is known before loading; miscomputed weights only once the file type is read.
+        hazard = _amx_unchecked()
+        if hazard is None:
+            llm = load()
+            if hazard := _amx_miscomputes(llm):
+                llm.close()
+        if hazard:
             log.warning("%s: %s; drafting without them", pathlib.Path(model_path).name, hazard)
-            self._llm.close()
             with _extra_buffer_types_off():
-                self._llm = load()
-        self._num_vocab = self._llm.n_vocab()
-        self._max_tokens = self._llm.n_ctx()
+                llm = load()
+        self._llm: llama_cpp.Llama | None = llm
+        self._num_vocab = llm.n_vocab()
+        self._max_tokens = llm.n_ctx()
         self.fingerprint = fingerprint_from_gguf(model_path)
 
     def propose(
