@@ -52,8 +52,8 @@ SpecEdge does (a step and a reply for every token), the measured ratio can pass 
 The schedule. The bounds' best c may be fractional, or one merged step whose drafting gap the other edges'
 prefills fill for free, since an edge's bound holds only its own prefill: a relaxation no server reaches, where
 an edge back while another cohort's step runs waits for it, and a cohort's rows wait for the prefill their step
-carries. `schedule_rate` is the best
-round-robin schedule of whole cohorts (c = 1 .. N), the prefill costed as above:
+carries. `schedule_rate` is the best round-robin schedule of whole cohorts (c = 1 .. N), the prefill costed as
+above:
 
     C_c = max(c * T(N * (1 + k) / c) + N * L * p,  T(N * (1 + k) / c) + (N / c) * L * p + d + RTT)
 
@@ -153,11 +153,8 @@ def schedule_rate(
     rounds a cycle commits `tokens_per_round` (L; 1 for AR), carries `round_tokens` (1 + k; 1 for AR) and
     `prefill_s` of its edge's prefill (L * p), and comes back `turnaround_s` after its step (d + RTT; RTT)."""
     n = num_edges
-    cycle = min(
-        max(
-            cohorts * curve.seconds(n * round_tokens / cohorts) + n * prefill_s,
-            curve.seconds(n * round_tokens / cohorts) + n / cohorts * prefill_s + turnaround_s,
-        )
-        for cohorts in range(1, n + 1)
-    )
-    return tokens_per_round * n / cycle
+    best = float("inf")
+    for cohorts in range(1, n + 1):
+        step_s = curve.seconds(n * round_tokens / cohorts)
+        best = min(best, max(cohorts * step_s + n * prefill_s, step_s + n / cohorts * prefill_s + turnaround_s))
+    return tokens_per_round * n / best
