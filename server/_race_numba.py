@@ -21,7 +21,8 @@ from specedge import noise
 # read from another file would stay stale there. So they are written out here, and tests/test_kernels.py checks
 # them against their sources.
 NO_TOKEN = -1  # server/race_kernel.py's NO_TOKEN
-NORM_IF_FEW, NORM_ALWAYS = 1, 2  # server/race_kernel.py's: argmax_and_race's `norming` codes
+NORM_IF_FEW, NORM_ALWAYS, NORM_GIVEN = 1, 2, 3  # server/race_kernel.py's: argmax_and_race's `norming` codes
+UNDECIDED, REJECTED, ACCEPTED = -1, 0, 1  # server/race_kernel.py's: argmax_and_race's verdicts
 _MIX = np.uint32(0x45D9F3B)  # specedge/noise.py's MIX_MULTIPLIER
 _UNIFORM_BITS = 23  # specedge/noise.py's UNIFORM_BITS
 _SHIFT = np.uint32(32 - _UNIFORM_BITS)
@@ -224,14 +225,17 @@ def argmax_and_race(
     floors,
     keys,
     token_hash,
-    override_starts,
-    override_ids,
-    override_weights,
     norming,
+    draft_tokens,
+    thresholds,
+    q_starts,
+    q_ids,
+    q_probs,
     top,
     finite,
     winners,
     norms,
+    verdicts,
 ):
     num_blocks = (logits.shape[1] + _BLOCK - 1) // _BLOCK
     for r in prange(rows.shape[0]):
@@ -239,13 +243,59 @@ def argmax_and_race(
         block_max = np.empty(num_blocks, np.float32)
         top[r], finite[r] = _argmax(row.view(np.int32), block_max.view(np.int32))
         winners[r] = top[r]
+        verdicts[r] = UNDECIDED
+        scale, floor = _scale(temperature[r]), np.float32(floors[r])
         if racing[r]:
-            ids = override_ids[override_starts[r] : override_starts[r + 1]]
-            weights = override_weights[override_starts[r] : override_starts[r + 1]]
-            winners[r] = _race(row, top[r], block_max, temperature[r], floors[r], keys[r], token_hash, ids, weights)
-        norms[r] = np.nan
-        if norming[r] and finite[r]:
-            norms[r] = _log_norm(row, row[top[r]], block_max, temperature[r], floors[r], norming[r] == NORM_ALWAYS)
+            winners[r] = _race(row, top[r], block_max, scale, floor, keys[r], token_hash, _NO_IDS, _NO_WEIGHTS)
+        norm = norms[r] if norming[r] == NORM_GIVEN else np.nan
+        if (norming[r] == NORM_IF_FEW or norming[r] == NORM_ALWAYS) and finite[r]:
+            norm = _log_norm(row, row[top[r]], block_max, scale, floor, norming[r] == NORM_ALWAYS)
+        norms[r] = norm
+        if draft_tokens[r] == NO_TOKEN or not finite[r] or math.isnan(norm):
+            continue
+        # Rejection sampling's verdict on the row's draft, from p there; a rejection's residual is raced now,
+        # while the row is still in cache.
+        top_logit = row[top[r]]
+        if thresholds[r] < _prob(row[draft_tokens[r]], top_logit, scale, floors[r], norm):
+            verdicts[r] = ACCEPTED
+            continue
+        verdicts[r] = REJECTED
+        ids = q_ids[q_starts[r] : q_starts[r + 1]]
+        weights = _residual_weights(row, top_logit, scale, floors[r], norm, ids, q_probs[q_starts[r] : q_starts[r + 1]])
+        # A token whose p is below float32's smallest (2**-149) is 0, as in a dense float32 p.
+        kept = np.float32(max(floors[r], np.float64(top_logit) + temperature[r] * (norm + _LOG_SMALLEST_P)))
+        winners[r] = _race(row, top[r], block_max, scale, kept, keys[r], token_hash, ids, weights)
+        if winners[r] == NO_TOKEN:  # p <= q everywhere: p itself, the row's own race
+            winners[r] = _race(row, top[r], block_max, scale, floor, keys[r], token_hash, _NO_IDS, _NO_WEIGHTS)
+
+
+_NO_IDS, _NO_WEIGHTS = np.zeros(0, np.int64), np.zeros(0, np.float32)
+_TINY = np.float32(np.finfo(np.float32).tiny)
+_LOG_SMALLEST_P = math.log(2.0**-149)
+
+
+@njit(inline="always")
+def _scale(temperature):
+    """The float32 temperature scores are divided by (torch's temperature.float().clamp_min(tiny))."""
+    return max(np.float32(temperature), _TINY)
+
+
+@njit(inline="always")
+def _prob(logit, top_logit, scale, floor, norm):
+    """p of a token: exp((logit - max) / T - norm) in float64 from the float32 weight, 0 below the floor."""
+    if not np.float64(logit) >= floor:
+        return 0.0
+    return math.exp(np.float64(np.float32(logit - top_logit) / scale) - norm)
+
+
+@njit
+def _residual_weights(row, top_logit, scale, floor, norm, ids, q):
+    """log(max(p - q, 0)) + norm on q's tokens: the residual's weights on the race's (logit - max) / T scale."""
+    weights = np.empty(ids.shape[0], np.float32)
+    for k in range(ids.shape[0]):
+        residual = _prob(row[ids[k]], top_logit, scale, floor, norm) - q[k]
+        weights[k] = np.float32(math.log(residual) + norm) if residual > 0.0 else np.float32(-np.inf)
+    return weights
 
 
 @njit(parallel=True, cache=True)
@@ -256,7 +306,8 @@ def log_norms(logits, rows, temperature, floors, out):
         row = logits[rows[r]]
         block_max = np.empty(num_blocks, np.float32)
         top, finite = _argmax(row.view(np.int32), block_max.view(np.int32))
-        out[r] = _log_norm(row, row[top], block_max, temperature[r], floors[r], True) if finite else np.nan
+        scale, floor = _scale(temperature[r]), np.float32(floors[r])
+        out[r] = _log_norm(row, row[top], block_max, scale, floor, True) if finite else np.nan
 
 
 # exp((logit - max) / T) below e**-64 adds nothing a float64 sum of <= 2**18 terms >= 1 can hold.
@@ -322,29 +373,35 @@ def _terms(row, start, stop, top_logit, scale, lowest):
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) on a tiny input, so a failure shows before the first step."""
+    """Compile (or load from numba's cache) on a tiny input, so a failure shows before the first step:
+    eight equal logits, a draft of token 0 that q gave all its mass to (p = 1/8), rejected."""
     logits = np.zeros((1, 8), np.float32)
-    one = np.ones(1, np.float32)
+    one = np.ones(1)
     table = noise.token_hash(np.arange(8, dtype=np.int64)).astype(np.uint32)
-    out = np.zeros(1, np.int64)
-    norms = np.zeros(2)
+    row, norms, verdicts = np.zeros(1, np.int64), np.zeros(2), np.zeros(1, np.int8)
+    top, winners, finite = row.copy(), row.copy(), np.zeros(1, np.bool_)
     argmax_and_race(
         logits,
-        out,
-        np.ones(1, np.bool_),
+        row,
+        np.zeros(1, np.bool_),
         one,
         -np.inf * one,
         np.zeros(1, np.uint32),
         table,
-        np.zeros(2, np.int64),
-        np.zeros(0, np.int64),
-        np.zeros(0, np.float32),
         np.full(1, NORM_ALWAYS, np.uint8),
-        out.copy(),
-        np.zeros(1, np.bool_),
-        out.copy(),
+        row,  # draft token 0
+        one / 2,  # u q(0) = 1/2 > p(0): rejected
+        np.array([0, 1], np.int64),
+        row,
+        one,
+        top,
+        finite,
+        winners,
         norms,
+        verdicts,
     )
-    log_norms(logits, out, one, -np.inf * one, norms[1:])
-    if np.any(np.abs(norms - math.log(8.0)) > 1e-6):  # eight equal logits
+    log_norms(logits, row, one, -np.inf * one, norms[1:])
+    if np.any(np.abs(norms - math.log(8.0)) > 1e-6):
         raise RuntimeError(f"the compiled log-normaliser is wrong: {norms}")
+    if verdicts[0] != REJECTED or not 1 <= winners[0] < 8:  # the residual: any token but 0
+        raise RuntimeError(f"the compiled rejection is wrong: verdict {verdicts[0]}, residual {winners[0]}")

@@ -10,21 +10,22 @@ After a forward, each row needs something from its logits:
   needs p at each draft token and the target's own sample after the last.
 
 One pass over all rows' logits gives every argmax (and catches NaN and inf)
-and every sampled token (compiled on CPU: server/race_kernel.py). A chain
-verified by rejection then needs p at the drafts its walk reaches, and so the
-log-normaliser there. On CPU that same pass sums it while the row is still
-in cache, at each chain's first draft (always reached) and at every other
-draft whose row is peaked (few tokens within reach: cheap); a second pass over
-the walked rows took 2x the time of reading the logits once (64 rows x 5
-tokens, 152k vocabulary, peaked). What is left, and everything on the eager
-path, is summed once per draft depth, over the chains still walking. Every
-rejected draft's residual is drawn in one more race. Nothing here commits
-tokens or touches KV: server/postprocess.py does.
+and every sampled token (compiled on CPU: server/race_kernel.py). On CPU that
+same pass also decides rejection sampling's drafts while each row is still in
+cache: it sums p's log-normaliser at each chain's first draft (always reached)
+and at every other draft whose row is peaked (few tokens within reach: cheap),
+tests the draft against it, and races a rejected draft's residual there. A
+second pass over the rows took 2x the time of reading the logits once (64 rows
+x 5 tokens, 152k vocabulary, peaked). What is left (later drafts on flat rows,
+and everything on the eager path) is decided here, once per draft depth, over
+the chains still walking, and every residual left is drawn in one more race.
+Nothing here commits tokens or touches KV: server/postprocess.py does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -34,7 +35,7 @@ import torch
 from specedge import noise
 from specedge.server import race_kernel
 from specedge.server.isolation import NonFiniteLogits
-from specedge.server.rejection import accepts, residual_tokens
+from specedge.server.rejection import acceptance_uniforms, accepts, residual_tokens, sparse_drafts
 from specedge.server.sampling import argmax_and_race, logit_floors
 from specedge.server.verify import VerifyResult
 from specedge.types import SamplingParams, SparseDist
@@ -71,22 +72,24 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> list[Drawn]:
         starts.append(starts[-1] + row.num_logits)
     setting = _Setting.of(rows, starts, logits)
     # A chain verified by rejection races only after its last draft (its bonus); its other
-    # positions are decided below, by p at the draft tokens, or a residual.
-    # Their drafts need p's log-normaliser where the walk reaches them: the first always, the others
-    # summed in the same pass where that is cheap (race_kernel's codes).
+    # positions are decided by p at the draft tokens, or a residual.
+    # The pass decides the drafts whose normaliser it sums: the first always, the others where
+    # that is cheap (race_kernel's codes). The rest are decided below.
     racing = setting.sampled.clone()
     norming = torch.zeros(len(racing), dtype=torch.uint8)
-    for i, row in enumerate(rows):
-        if row.by_rejection:
-            racing[starts[i] : starts[i] + len(row.draft_token_ids)] = False
-            norming[starts[i] : starts[i] + len(row.draft_token_ids)] = race_kernel.NORM_IF_FEW
-            norming[starts[i]] = race_kernel.NORM_ALWAYS
-    top, finite_mask, winners, norms = argmax_and_race(
-        logits, racing, setting.temperature, setting.floors, setting.keys, norming if bool(norming.any()) else None
+    chains = [(i, row) for i, row in enumerate(rows) if row.by_rejection]
+    for i, row in chains:
+        racing[starts[i] : starts[i] + len(row.draft_token_ids)] = False
+        norming[starts[i] : starts[i] + len(row.draft_token_ids)] = race_kernel.NORM_IF_FEW
+        norming[starts[i]] = race_kernel.NORM_ALWAYS
+    drafts = _drafts(chains, starts, len(racing)) if chains and race_kernel.covers(logits) else None
+    top, finite_mask, winners, _, verdicts = argmax_and_race(
+        logits, racing, setting.temperature, setting.floors, setting.keys, norming if chains else None, drafts
     )
-    targets, finite = winners.tolist(), finite_mask.tolist()
-    chains = {i: row for i, row in enumerate(rows) if row.by_rejection and all(finite[starts[i] : starts[i + 1]])}
-    verdicts = _verify_chains(logits, chains, starts, top, targets, norms, setting) if chains else {}
+    drawn_tokens, finite = winners.tolist(), finite_mask.tolist()
+    decided = [race_kernel.UNDECIDED] * len(racing) if verdicts is None else verdicts.tolist()
+    walks = {i: row for i, row in chains if all(finite[starts[i] : starts[i + 1]])}
+    verdicts_of = _verify_chains(logits, walks, starts, top, drawn_tokens, decided, setting) if walks else {}
 
     drawn: list[Drawn] = []
     for i, row in enumerate(rows):
@@ -96,10 +99,33 @@ def draw_rows(logits: torch.Tensor, rows: Sequence[RowDraw]) -> list[Drawn]:
         elif row.params is None:
             drawn.append(None)
         elif row.by_rejection:
-            drawn.append(verdicts[i])
+            drawn.append(verdicts_of[i])
         else:
-            drawn.append(targets[span])
+            drawn.append(drawn_tokens[span])
     return drawn
+
+
+def _drafts(chains: Sequence[tuple[int, RowDraw]], starts: Sequence[int], num_logits: int) -> race_kernel.Drafts:
+    """Every chain's drafts at their logit rows, each with u q(token), the p it must pass (rejection.accepts)."""
+    lengths = np.fromiter((len(row.draft_token_ids) for _, row in chains), np.int64, len(chains))
+    total = int(lengths.sum())
+    firsts = np.fromiter((starts[i] for i, _ in chains), np.int64, len(chains))
+    index = np.repeat(firsts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)  # [D] logit rows
+    dists = [dist for _, row in chains for dist in row.draft_dists]
+    tokens = [token for _, row in chains for token in row.draft_token_ids]
+    seed_keys = np.repeat(np.fromiter((noise.seed_key(row.seed) for _, row in chains), np.int64, len(chains)), lengths)
+    positions = np.fromiter(
+        itertools.chain.from_iterable(row.positions[: len(row.draft_token_ids)] for _, row in chains), np.int64, total
+    )
+    uniforms = acceptance_uniforms(seed_keys, positions)
+    q_of_tokens = np.fromiter(map(SparseDist.prob_of, dists, tokens), np.float64, len(dists))
+    packed = sparse_drafts(dists, tokens, uniforms * q_of_tokens)
+    # Spread over the step's logit rows: a row without a draft has none, and an empty q.
+    token_ids = np.full(num_logits, race_kernel.NO_TOKEN, np.int64)
+    thresholds, sizes = np.zeros(num_logits), np.zeros(num_logits, np.int64)
+    token_ids[index], thresholds[index], sizes[index] = packed.token_ids, packed.thresholds, np.diff(packed.q_starts)
+    q_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return race_kernel.Drafts(token_ids, thresholds, q_starts, packed.q_ids, packed.q_probs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,36 +170,50 @@ def _verify_chains(
     chains: dict[int, RowDraw],  # row index -> a sampled chain with q
     starts: Sequence[int],
     top: torch.Tensor,  # [L] argmax
-    targets: Sequence[int],  # [L] the race's winner at each bonus position
-    norms: torch.Tensor | None,  # [L] float64 log-normalisers at the drafts, where the argmax pass summed them
+    drawn: Sequence[int],  # [L] the pass's draws: the race's winner at each bonus, the residual at a rejection
+    decided: Sequence[int],  # [L] the pass's verdict on each draft (race_kernel's codes)
     setting: _Setting,
 ) -> dict[int, VerifyResult]:
-    """Rejection sampling of every chain, draft by draft: p is computed only at drafts the walk reaches
-    (and its log-normaliser there, unless the argmax pass summed them all)."""
+    """Rejection sampling of every chain, draft by draft: the pass's verdicts where it gave one, else
+    p at the drafts the walk reaches (and its log-normaliser there), decided here."""
     values = logits.gather(1, top.to(logits.device)[:, None])[:, 0]  # [L] each row's max logit
     num_accepted = dict.fromkeys(chains, 0)
+    next_tokens: dict[int, int] = {}
     walking = list(chains)
-    rejected: list[tuple[int, float]] = []  # (row index, log normaliser at its rejected draft)
+    rejected: list[tuple[int, float]] = []  # (row index, log normaliser at its rejected draft): residuals to draw
     while walking:
-        index = [starts[i] + num_accepted[i] for i in walking]
-        log_norms = _log_norms(logits, index, values, setting, norms)
-        tokens = [chains[i].draft_token_ids[num_accepted[i]] for i in walking]
-        probs = _probs_at(logits, index, tokens, values, log_norms, setting)
+        # The drafts the pass left undecided, decided together: p at each, from its normaliser.
+        undecided = [i for i in walking if decided[starts[i] + num_accepted[i]] == race_kernel.UNDECIDED]
+        here: dict[int, tuple[bool, float]] = {}
+        if undecided:
+            index = [starts[i] + num_accepted[i] for i in undecided]
+            log_norms = _log_norms(logits, index, values, setting)
+            tokens = [chains[i].draft_token_ids[num_accepted[i]] for i in undecided]
+            probs = _probs_at(logits, index, tokens, values, log_norms, setting)
+            for i, log_norm, prob in zip(undecided, log_norms, probs):
+                row, j = chains[i], num_accepted[i]
+                here[i] = (
+                    accepts(row.draft_token_ids[j], row.draft_dists[j], prob, row.seed, row.positions[j]),
+                    log_norm,
+                )
         still = []
-        for i, log_norm, prob in zip(walking, log_norms, probs):
+        for i in walking:
             row, j = chains[i], num_accepted[i]
-            if not accepts(row.draft_token_ids[j], row.draft_dists[j], prob, row.seed, row.positions[j]):
-                rejected.append((i, log_norm))
+            verdict = decided[starts[i] + j]
+            if verdict == race_kernel.REJECTED:
+                next_tokens[i] = drawn[starts[i] + j]  # the pass drew its residual
+            elif verdict == race_kernel.UNDECIDED and not here[i][0]:
+                rejected.append((i, here[i][1]))
             elif j + 1 < len(row.draft_token_ids):
                 num_accepted[i] += 1
                 still.append(i)
             else:
                 num_accepted[i] += 1
+                next_tokens[i] = drawn[starts[i] + j + 1]  # every draft accepted: the bonus
         walking = still
     residuals = residual_tokens(
         logits,
         [starts[i] + num_accepted[i] for i, _ in rejected],
-        values,
         setting.temperature,
         setting.floors,
         [log_norm for _, log_norm in rejected],
@@ -181,9 +221,7 @@ def _verify_chains(
         [chains[i].seed for i, _ in rejected],
         [chains[i].positions[num_accepted[i]] for i, _ in rejected],
     )
-    next_tokens = {i: targets[starts[i] + num_accepted[i]] for i in chains} | {
-        i: token for (i, _), token in zip(rejected, residuals)
-    }
+    next_tokens |= {i: token for (i, _), token in zip(rejected, residuals)}
     return {i: VerifyResult(tuple(range(1, num_accepted[i] + 1)), next_tokens[i]) for i in chains}
 
 
@@ -192,15 +230,7 @@ def _log_norms(
     index: Sequence[int],  # [D] rows
     values: torch.Tensor,  # [L] max logits
     setting: _Setting,
-    known: torch.Tensor | None,  # [L] float64: those the argmax pass summed (NaN: not summed)
 ) -> list[float]:  # [D] log sum exp((logit - max) / T) over each row's kept tokens
-    if known is not None:
-        found = known[index]
-        missing = found.isnan().nonzero().squeeze(1)
-        if len(missing):
-            rest = [index[m] for m in missing.tolist()]
-            found[missing] = torch.tensor(_log_norms(logits, rest, values, setting, None), dtype=torch.float64)
-        return found.tolist()
     index_t = torch.tensor(index, device=logits.device)
     if race_kernel.covers(logits):
         return race_kernel.log_norms(logits, index_t, setting.temperature[index_t], setting.floors[index_t]).tolist()

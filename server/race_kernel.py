@@ -36,27 +36,35 @@ import torch
 from specedge import noise
 from specedge.server.kernels import load_kernel
 
-NO_TOKEN = -1  # a race in which no token has a finite score (every weight overridden to zero)
+NO_TOKEN = -1  # a race in which no token has a finite score; in Drafts, a row without a draft
 # argmax_and_race's `norming` codes: no normaliser (0); one where the row is peaked, where few of its
-# tokens count (NORM_IF_FEW: a flat row's exponentials cost about what reading it again does); one always.
-NORM_IF_FEW, NORM_ALWAYS = 1, 2
+# tokens count (NORM_IF_FEW: a flat row's exponentials cost about what reading it again does); one always;
+# one the caller gives in `norms`.
+NORM_IF_FEW, NORM_ALWAYS, NORM_GIVEN = 1, 2, 3
+# argmax_and_race's verdict on a row's draft: none (no draft, or no normaliser summed), rejected, accepted.
+UNDECIDED, REJECTED, ACCEPTED = -1, 0, 1
 
 
 @dataclasses.dataclass(frozen=True)
-class Overrides:
-    """Per raced row, tokens whose log-weight replaces (logit - max) / T (-inf: excluded), in CSR form.
+class Drafts:
+    """Per row, the draft token that rejection sampling decides there, and the q it was sampled from.
 
-    Row r's tokens are token_ids[starts[r]:starts[r + 1]]. A replacement may only lower a
-    weight, never raise it: the race's bounds come from the logits.
+    A row's draft is accepted where p(token) > thresholds[r] (u q(token), server/rejection.py's test);
+    a threshold of +inf rejects it outright, for a row whose residual alone is wanted. Row r's q is
+    q_ids[q_starts[r]:q_starts[r + 1]] with q_probs there (renormalised to sum to 1).
     """
 
-    starts: np.ndarray  # [R + 1] int64
-    token_ids: np.ndarray  # [K] int64
-    log_weights: np.ndarray  # [K] float32
+    token_ids: np.ndarray  # [R] int64; NO_TOKEN: no draft at the row
+    thresholds: np.ndarray  # [R] float64
+    q_starts: np.ndarray  # [R + 1] int64
+    q_ids: np.ndarray  # [K] int64
+    q_probs: np.ndarray  # [K] float64
 
     @staticmethod
-    def none(num_rows: int) -> Overrides:
-        return Overrides(np.zeros(num_rows + 1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))
+    def none(num_rows: int) -> Drafts:
+        empty = np.zeros(0, np.int64)
+        no_tokens, no_starts = np.full(num_rows, NO_TOKEN, np.int64), np.zeros(num_rows + 1, np.int64)
+        return Drafts(no_tokens, np.zeros(num_rows), no_starts, empty, np.zeros(0))
 
 
 @functools.cache
@@ -77,43 +85,59 @@ def argmax_and_race(
     temperature: torch.Tensor,  # [R] float64 > 0
     floors: torch.Tensor,  # [R] float64: tokens with logit < floor are excluded
     keys: torch.Tensor,  # [R] int64 noise keys (< 2**32)
-    overrides: Overrides | None = None,
-    norming: np.ndarray | None = None,  # [R] uint8: 0, NORM_IF_FEW or NORM_ALWAYS (None: all 0)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    norming: np.ndarray | None = None,  # [R] uint8: 0, NORM_IF_FEW, NORM_ALWAYS or NORM_GIVEN (None: all 0)
+    drafts: Drafts | None = None,
+    norms: np.ndarray | None = None,  # [R] float64: the normalisers of NORM_GIVEN's rows
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's argmax (ties to the lowest id), whether its max is finite (no NaN, no +-inf max),
     its draw: the race's winner where racing, else the argmax; NO_TOKEN where nothing could win, and,
     as `norming` asks, log sum exp((logit - max) / T) over its tokens with logit >= floor (float64; NaN
     where not summed and in a row that is not finite). The normaliser is summed while the row is still
-    in cache from its argmax, skipping the blocks whose weight a float64 sum cannot see."""
+    in cache from its argmax, skipping the blocks whose weight a float64 sum cannot see.
+
+    Where a row has a draft and a normaliser, also rejection sampling's verdict on it (else UNDECIDED);
+    a rejected draft's draw is its residual's sample, normalize(max(p - q, 0)) (p itself where that is
+    empty), raced with the row's own noise key."""
     compiled = kernel()
     values = logits.detach().contiguous().numpy()
     row_index = np.arange(values.shape[0], dtype=np.int64) if rows is None else rows.numpy().astype(np.int64)
     num_rows = len(row_index)
-    overrides = overrides or Overrides.none(num_rows)
+    drafts = drafts or Drafts.none(num_rows)
+    _check_ids(drafts, values.shape[1])
     top = np.empty(num_rows, np.int64)
     finite = np.empty(num_rows, np.bool_)
     winners = np.empty(num_rows, np.int64)
-    norms = np.empty(num_rows, np.float64)
+    norms = np.full(num_rows, np.nan) if norms is None else np.array(norms, np.float64)
+    verdicts = np.empty(num_rows, np.int8)
     norming = np.zeros(num_rows, np.uint8) if norming is None else np.ascontiguousarray(norming, np.uint8)
     compiled.set_threads(torch.get_num_threads())
     compiled.argmax_and_race(
         values,
         row_index,
         np.ascontiguousarray(racing, np.bool_),
-        temperature.float().clamp_min(torch.finfo(torch.float32).tiny).numpy(),
-        floors.float().numpy(),
+        np.ascontiguousarray(temperature.double().numpy()),
+        np.ascontiguousarray(floors.double().numpy()),
         keys.numpy().astype(np.uint32),
         _token_hash_table(values.shape[1]),
-        overrides.starts,
-        overrides.token_ids,
-        overrides.log_weights,
         norming,
+        drafts.token_ids,
+        drafts.thresholds,
+        drafts.q_starts,
+        drafts.q_ids,
+        drafts.q_probs,
         top,
         finite,
         winners,
         norms,
+        verdicts,
     )
-    return torch.from_numpy(top), torch.from_numpy(finite), torch.from_numpy(winners), torch.from_numpy(norms)
+    return (
+        torch.from_numpy(top),
+        torch.from_numpy(finite),
+        torch.from_numpy(winners),
+        torch.from_numpy(norms),
+        torch.from_numpy(verdicts),
+    )
 
 
 def log_norms(
@@ -129,11 +153,18 @@ def log_norms(
     compiled.log_norms(
         logits.detach().contiguous().numpy(),
         rows.numpy().astype(np.int64),
-        temperature.float().clamp_min(torch.finfo(torch.float32).tiny).numpy(),
-        floors.float().numpy(),
+        np.ascontiguousarray(temperature.double().numpy()),
+        np.ascontiguousarray(floors.double().numpy()),
         out,
     )
     return torch.from_numpy(out)
+
+
+def _check_ids(drafts: Drafts, vocab_size: int) -> None:
+    """The kernel reads the logits at every draft and q token unchecked: an id outside the row must not get there."""
+    ids = np.concatenate([drafts.token_ids[drafts.token_ids != NO_TOKEN], drafts.q_ids])
+    if len(ids) and not (0 <= ids.min() and ids.max() < vocab_size):
+        raise IndexError(f"a draft token id outside the vocabulary [0, {vocab_size}): {ids.min()}..{ids.max()}")
 
 
 @functools.lru_cache(maxsize=4)

@@ -21,6 +21,7 @@ most once and a seeded session is reproducible token for token.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -29,7 +30,7 @@ import torch
 
 from specedge import noise
 from specedge.server import race_kernel
-from specedge.server.sampling import probs_with_floors, race, sample_weights
+from specedge.server.sampling import probs_with_floors, sample_weights
 from specedge.server.verify import VerifyResult
 from specedge.types import SparseDist
 
@@ -37,6 +38,12 @@ from specedge.types import SparseDist
 def acceptance_uniform(seed: int, position: int) -> float:
     """U(0, 1) for accepting the draft at `position`; independent of the target's sampling noise."""
     return noise.uniform(seed, position, noise.ACCEPT_STREAM)
+
+
+def acceptance_uniforms(seed_keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """[N] float64 acceptance_uniform at many positions at once (seed_keys: each seed's noise.seed_key), bit for bit."""
+    keys = noise.position_key(seed_keys, positions, noise.ACCEPT_STREAM)
+    return (noise.token_bits(keys, np.zeros_like(keys)) + 0.5) / 2**32
 
 
 def accepts(token: int, dist: SparseDist, target_prob: float, seed: int, position: int) -> bool:
@@ -82,7 +89,6 @@ def residual_token(p_row: torch.Tensor, dist: SparseDist, seed: int, position: i
 def residual_tokens(
     logits: torch.Tensor,  # [L, V]
     rows: Sequence[int],  # [R] the logit row of each rejection: p there is the target's distribution
-    values: torch.Tensor,  # [L] each row's max logit
     temperature: torch.Tensor,  # [L] float64
     floors: torch.Tensor,  # [L] float64
     log_norms: Sequence[float],  # [R] log sum exp((logit - max) / T) over the kept tokens of each row
@@ -94,53 +100,40 @@ def residual_tokens(
 
     Off q's support the residual is p itself, so its race is the row's own race; only the
     tokens of q get new weights, log(max(p - q, 0)), on the same (logit - max) / T scale.
+    Compiled, as the argmax pass draws the residuals of the drafts it rejects (race_kernel).
     """
     if not rows:
         return []
     index = torch.tensor(list(rows), device=logits.device)
-    keys = torch.tensor([noise.row_key(s, p, noise.TARGET_STREAM) for s, p in zip(seeds, positions)])
+    seed_keys = np.fromiter(map(noise.seed_key, seeds), np.int64, len(rows))
+    keys = torch.from_numpy(noise.position_key(seed_keys, np.asarray(positions, np.int64), noise.TARGET_STREAM))
     if not race_kernel.covers(logits):
         p_rows = probs_with_floors(logits[index], temperature[index], floors[index])  # [R, V]
         return [residual_token(p, d, s, pos) for p, d, s, pos in zip(p_rows, dists, seeds, positions)]
-    temperature, floors = temperature[index], floors[index]
-    log_norms_t = torch.tensor(list(log_norms), dtype=torch.float64)
-    top_logit = values[index].double()  # [R]
-    overrides = _residual_weights(logits, index, top_logit, temperature, floors, log_norms_t, dists)
-    # A token whose p is below float32's smallest (2**-149) is 0, as in a dense float32 p.
-    kept = torch.maximum(floors, top_logit + temperature * (log_norms_t + _LOG_SMALLEST_P))
-    racing = np.ones(len(rows), np.bool_)
-    tokens = race_kernel.argmax_and_race(logits, index, racing, temperature, kept, keys, overrides)[2]
-    empty = (tokens == race_kernel.NO_TOKEN).nonzero().squeeze(1)
-    if len(empty):  # p <= q everywhere: p itself, i.e. the row's own race (as in residual_token)
-        tokens[empty] = race(logits[index[empty]], temperature[empty], floors[empty], keys[empty])
-    return tokens.tolist()
+    # Each row's draft is rejected outright (threshold +inf), so the kernel draws its residual.
+    drafts = sparse_drafts(dists, [d.token_ids[0] for d in dists], np.full(len(dists), math.inf))
+    given = np.full(len(rows), race_kernel.NORM_GIVEN, np.uint8)
+    racing = np.zeros(len(rows), np.bool_)
+    norms = np.asarray(log_norms, np.float64)
+    drawn = race_kernel.argmax_and_race(
+        logits, index, racing, temperature[index], floors[index], keys, given, drafts, norms
+    )
+    return drawn[2].tolist()
 
 
-_LOG_SMALLEST_P = math.log(2.0**-149)
-
-
-def _residual_weights(
-    logits: torch.Tensor,  # [L, V] float32
-    index: torch.Tensor,  # [R] rows
-    top_logit: torch.Tensor,  # [R] float64
-    temperature: torch.Tensor,  # [R] float64
-    floors: torch.Tensor,  # [R] float64
-    log_norms: torch.Tensor,  # [R] float64
-    dists: Sequence[SparseDist],  # [R]
-) -> race_kernel.Overrides:
-    """log(max(p - q, 0)) + log_norm on q's support: the residual's weights on the race's scale."""
-    sizes = [len(d.token_ids) for d in dists]
-    row = torch.repeat_interleave(torch.arange(len(dists)), torch.tensor(sizes))  # [K]
-    token_ids = torch.tensor([t for d in dists for t in d.token_ids])  # [K]
-    q = torch.cat([torch.tensor(d.probs, dtype=torch.float64) / sum(d.probs) for d in dists])  # [K]
-    picked = logits[index[row], token_ids]  # [K] float32
-    scale = temperature[row].float().clamp_min(torch.finfo(torch.float32).tiny)
-    log_p = ((picked - top_logit[row].float()) / scale).double() - log_norms[row]
-    p = torch.where(picked >= floors[row].float(), log_p.exp(), torch.zeros_like(log_p))
-    residual = p - q
-    log_weights = torch.where(residual > 0, residual.log() + log_norms[row], -math.inf)
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return race_kernel.Overrides(starts, token_ids.numpy(), log_weights.float().numpy())
+def sparse_drafts(
+    dists: Sequence[SparseDist],  # [R] the q each draft was sampled from
+    token_ids: Sequence[int],  # [R] the draft tokens
+    thresholds: np.ndarray,  # [R] float64: u q(token), the p a draft must pass to be accepted
+) -> race_kernel.Drafts:
+    """The kernel's form of R drafts: each q renormalised as SparseDist.prob_of does (its own sum, in order)."""
+    sizes = np.fromiter((len(d.token_ids) for d in dists), np.int64, len(dists))
+    total = int(sizes.sum())
+    q_ids = np.fromiter(itertools.chain.from_iterable(d.token_ids for d in dists), np.int64, total)
+    sums = np.repeat(np.fromiter((sum(d.probs) for d in dists), np.float64, len(dists)), sizes)
+    q_probs = np.fromiter(itertools.chain.from_iterable(d.probs for d in dists), np.float64, total) / sums
+    q_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return race_kernel.Drafts(np.asarray(token_ids, np.int64), thresholds, q_starts, q_ids, q_probs)
 
 
 def _dense(dist: SparseDist, like: torch.Tensor) -> torch.Tensor:

@@ -155,21 +155,25 @@ def argmax_and_race(
     floors: torch.Tensor,  # [N] float64
     keys: torch.Tensor,  # [N] int64 noise keys
     norming: torch.Tensor | None = None,  # [N] uint8 race_kernel codes: log-normalisers rejection will need
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    drafts: race_kernel.Drafts | None = None,  # the drafts rejection sampling decides, where it can here
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every row's argmax, whether its max is finite, and every racing row's sample, in one pass over the
     logits where compiled; there also the log sum exp((logit - max) / T) over its kept tokens of each row
-    `norming` asks for (race_kernel.argmax_and_race; float64, NaN where not summed), else None: the eager
-    path leaves those to the caller."""
+    `norming` asks for (float64, NaN where not summed) and the verdicts on `drafts` at rows with one
+    (race_kernel.argmax_and_race: a rejected draft's draw is its residual's). Else None and None: the
+    eager path leaves those to the caller."""
     if race_kernel.covers(logits):
         norming_rows = None if norming is None else norming.numpy()
-        return race_kernel.argmax_and_race(logits, None, racing.numpy(), temperature, floors, keys, None, norming_rows)
+        return race_kernel.argmax_and_race(
+            logits, None, racing.numpy(), temperature, floors, keys, norming_rows, drafts
+        )
     values, top = logits.max(dim=-1)  # [N]: NaN and +inf propagate into the max
     finite = torch.isfinite(values)
     if not bool(racing.any()):
-        return top, finite, top, None
+        return top, finite, top, None, None
     # A row out of the race has no candidates (floor +inf) and keeps its argmax.
     floors = floors.masked_fill(~racing.to(floors.device), math.inf)
-    return top, finite, _race_eager(logits, temperature, floors, keys, (values, top)), None
+    return top, finite, _race_eager(logits, temperature, floors, keys, (values, top)), None, None
 
 
 def race(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 from specedge import noise
 from specedge.server import race_kernel
 from specedge.server.draws import RowDraw, draw_rows
-from specedge.server.rejection import residual_token, residual_tokens
+from specedge.server.rejection import residual_token, residual_tokens, verify_chain_by_rejection
 from specedge.server.sampling import _race_eager, gumbel, logit_floors, probs_with_floors, row_keys, sample
 from specedge.types import SamplingParams, SparseDist
 
@@ -105,7 +106,7 @@ def test_argmax_and_finiteness_match_torch():
     logits[5] = 0.0
     logits[5, :3] = -0.0  # -0.0 == 0.0: the first zero is the argmax
     logits[6, 999] = -math.nan
-    top, finite, drawn, norms = race_kernel.argmax_and_race(
+    top, finite, drawn, norms, _ = race_kernel.argmax_and_race(
         logits,
         None,
         np.zeros(8, np.bool_),
@@ -142,9 +143,7 @@ def test_residuals_from_logits_are_the_dense_residuals():
     log_norms = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).double().logsumexp(dim=-1).tolist()
     for seed in range(5):
         positions = [seed * 100 + row for row in range(40)]
-        fast = residual_tokens(
-            logits, list(range(40)), values, temperature, floors, log_norms, dists, [seed] * 40, positions
-        )
+        fast = residual_tokens(logits, list(range(40)), temperature, floors, log_norms, dists, [seed] * 40, positions)
         dense = [residual_token(p[row], dists[row], seed, positions[row]) for row in range(40)]
         assert fast == dense
         assert fast[4] == int(logits[4].argmax())
@@ -171,7 +170,7 @@ def test_log_norms_are_float64_logsumexp(temperature):
     codes = norming.numpy().astype(np.uint8) * race_kernel.NORM_ALWAYS
     keys = torch.zeros(24, dtype=torch.long)
     racing = np.zeros(24, np.bool_)
-    compiled = race_kernel.argmax_and_race(logits, None, racing, temperatures, floors, keys, None, codes)[3]
+    compiled = race_kernel.argmax_and_race(logits, None, racing, temperatures, floors, keys, codes)[3]
     assert compiled[~norming].isnan().all()
     shifted = (logits.double() - values[:, None].double()) / max(temperature, torch.finfo(torch.float32).tiny)
     exact = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).logsumexp(dim=-1)
@@ -189,7 +188,7 @@ def test_a_flat_row_is_normed_in_the_argmax_pass_only_when_always_asked():
     floors = torch.full((4,), -math.inf, dtype=torch.float64)
     codes = np.array([race_kernel.NORM_IF_FEW, race_kernel.NORM_ALWAYS] * 2, np.uint8)
     keys = torch.zeros(4, dtype=torch.long)
-    norms = race_kernel.argmax_and_race(logits, None, np.zeros(4, np.bool_), temperature, floors, keys, None, codes)[3]
+    norms = race_kernel.argmax_and_race(logits, None, np.zeros(4, np.bool_), temperature, floors, keys, codes)[3]
     exact = (logits.double() - logits.double().amax(dim=-1, keepdim=True)).logsumexp(dim=-1)
     assert norms[2].isnan()
     torch.testing.assert_close(norms[[0, 1, 3]], exact[[0, 1, 3]], rtol=0, atol=1e-6)
@@ -216,6 +215,41 @@ def test_draw_rows_agree_on_the_compiled_and_the_eager_path():
     compiled, eager = draw_rows(logits, rows), draw_rows(logits.double(), rows)
     assert compiled == eager
     assert any(r.accepted_nodes for r in compiled[1::2]) and not all(len(r.accepted_nodes) == 4 for r in compiled[1::2])
+
+
+def test_the_pass_decides_drafts_as_the_dense_rejection_sampler_does():
+    """The argmax pass decides the drafts whose normaliser it sums (every first draft; later ones on peaked
+    rows) and races a rejected draft's residual there; the walk decides the rest. Every chain's outcome
+    equals verify_chain_by_rejection on the dense p, whichever of the two decided it."""
+    generator = torch.Generator().manual_seed(14)
+    num_chains, depth = 12, 4
+    # Flat rows (the pass leaves their later drafts to the walk) and peaked rows (it decides them all).
+    scales = torch.tensor([1.0, 1.0, 12.0, 12.0, 4.0, 0.5] * 2).repeat_interleave(depth + 1)
+    logits = torch.randn(num_chains * (depth + 1), 3000, generator=generator) * scales[:, None]
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.1, top_k=50, top_p=0.95)]
+    outcomes = collections.Counter()
+    for seed in range(25):
+        rows, references = [], []
+        for c in range(num_chains):
+            span = slice(c * (depth + 1), (c + 1) * (depth + 1))
+            row_params = params[c % 2]
+            temperature = torch.full((depth + 1,), row_params.temperature, dtype=torch.float64)
+            floors = logit_floors(logits[span], temperature, [row_params.top_k] * 5, [row_params.top_p] * 5)
+            p = probs_with_floors(logits[span], temperature, floors)  # [depth + 1, V]
+            # q: p's top 8, perturbed, so that drafts are accepted often and rejected often; a draft from q.
+            dists, drafts = [], []
+            for d in range(depth):
+                top = p[d].double().topk(8)
+                weights = top.values * torch.rand(8, generator=generator, dtype=torch.float64) * 2 + 0.02
+                dists.append(SparseDist(top.indices.tolist(), (weights / weights.sum()).tolist()))
+                drafts.append(dists[-1].token_ids[int(torch.multinomial(weights, 1, generator=generator))])
+            positions = tuple(range(100 + c, 105 + c))
+            rows.append(RowDraw(depth + 1, row_params, seed, positions, tuple(drafts), tuple(dists)))
+            references.append(verify_chain_by_rejection(drafts, dists, p, positions, seed))
+        drawn = draw_rows(logits, rows)
+        assert drawn == references
+        outcomes.update(min(len(r.accepted_nodes), 2) for r in drawn)
+    assert outcomes[0] and outcomes[1] and outcomes[2]  # rejected at the first draft, at the second, later
 
 
 def test_without_numba_the_eager_race_draws_the_same_tokens_after_one_log_line():

@@ -17,13 +17,15 @@ import functools
 import random
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specedge import noise
 from specedge.edge_client.drafting.base import DraftSampling, SparseDist, sample_top_k
 from specedge.edge_client.tokenizer import HFTokenizer
-from specedge.server.rejection import acceptance_uniform, verify_chain_by_rejection
+from specedge.server.rejection import acceptance_uniform, acceptance_uniforms, verify_chain_by_rejection
 from specedge.server.sampling import sample, target_probs
 from specedge.server.verify import verify_by_sampling
 from specedge.types import SamplingParams
@@ -183,6 +185,11 @@ def test_seeded_determinism():
     assert len({(r.accepted_nodes, r.next_token) for r in by_seed}) > 3  # different seeds differ
     assert acceptance_uniform(1, 20) == acceptance_uniform(1, 20) != acceptance_uniform(1, 21)
     assert 0 <= acceptance_uniform(2, 20) < 1
+    # The server's vectorized uniforms are the same float64 bits.
+    seeds, positions = [1, 2, 2**63 + 5, 0], [20, 20, 7, 2**40]
+    seed_keys = np.array([noise.seed_key(seed) for seed in seeds], np.int64)
+    vectorized = acceptance_uniforms(seed_keys, np.array(positions, np.int64)).tolist()
+    assert vectorized == [acceptance_uniform(seed, position) for seed, position in zip(seeds, positions)]
 
 
 # --- statistical equality with the target, on a tiny model -------------------------------------
