@@ -21,7 +21,6 @@ from specedge import noise
 # read from another file would stay stale there. So they are written out here, and tests/test_kernels.py checks
 # them against their sources.
 NO_TOKEN = -1  # server/race_kernel.py's NO_TOKEN
-NORM_IF_FEW, NORM_ALWAYS, NORM_GIVEN = 1, 2, 3  # server/race_kernel.py's: argmax_and_race's `norming` codes
 UNDECIDED, REJECTED, ACCEPTED = -1, 0, 1  # server/race_kernel.py's: argmax_and_race's verdicts
 _MIX = np.uint32(0x45D9F3B)  # specedge/noise.py's MIX_MULTIPLIER
 _UNIFORM_BITS = 23  # specedge/noise.py's UNIFORM_BITS
@@ -220,12 +219,12 @@ def _race(row, top, block_max, temperature, floor, key, token_hash, override_ids
 def argmax_and_race(
     logits,
     rows,
+    groups,
     racing,
     temperature,
     floors,
     keys,
     token_hash,
-    norming,
     draft_tokens,
     thresholds,
     q_starts,
@@ -237,36 +236,40 @@ def argmax_and_race(
     norms,
     verdicts,
 ):
+    """Each group of rows (groups[g]:groups[g + 1]) in order, the groups in parallel: a chain verified by
+    rejection (its drafts' rows, then its bonus row) is one group, walked until a draft is rejected;
+    any other row is a group of its own (server/race_kernel.py's argmax_and_race says what each gets)."""
     num_blocks = (logits.shape[1] + _BLOCK - 1) // _BLOCK
-    for r in prange(rows.shape[0]):
-        row = logits[rows[r]]
+    for g in prange(groups.shape[0] - 1):
         block_max = np.empty(num_blocks, np.float32)
-        top[r], finite[r] = _argmax(row.view(np.int32), block_max.view(np.int32))
-        winners[r] = top[r]
-        verdicts[r] = UNDECIDED
-        scale, floor = _scale(temperature[r]), np.float32(floors[r])
-        if racing[r]:
-            winners[r] = _race(row, top[r], block_max, scale, floor, keys[r], token_hash, _NO_IDS, _NO_WEIGHTS)
-        norm = norms[r] if norming[r] == NORM_GIVEN else np.nan
-        if (norming[r] == NORM_IF_FEW or norming[r] == NORM_ALWAYS) and finite[r]:
-            norm = _log_norm(row, row[top[r]], block_max, scale, floor, norming[r] == NORM_ALWAYS)
-        norms[r] = norm
-        if draft_tokens[r] == NO_TOKEN or not finite[r] or math.isnan(norm):
-            continue
-        # Rejection sampling's verdict on the row's draft, from p there; a rejection's residual is raced now,
-        # while the row is still in cache.
-        top_logit = row[top[r]]
-        if thresholds[r] < _prob(row[draft_tokens[r]], top_logit, scale, floors[r], norm):
-            verdicts[r] = ACCEPTED
-            continue
-        verdicts[r] = REJECTED
-        ids = q_ids[q_starts[r] : q_starts[r + 1]]
-        weights = _residual_weights(row, top_logit, scale, floors[r], norm, ids, q_probs[q_starts[r] : q_starts[r + 1]])
-        # A token whose p is below float32's smallest (2**-149) is 0, as in a dense float32 p.
-        kept = np.float32(max(floors[r], np.float64(top_logit) + temperature[r] * (norm + _LOG_SMALLEST_P)))
-        winners[r] = _race(row, top[r], block_max, scale, kept, keys[r], token_hash, ids, weights)
-        if winners[r] == NO_TOKEN:  # p <= q everywhere: p itself, the row's own race
-            winners[r] = _race(row, top[r], block_max, scale, floor, keys[r], token_hash, _NO_IDS, _NO_WEIGHTS)
+        reached = True  # by the walk: every draft before the row accepted, every row before it finite
+        for r in range(groups[g], groups[g + 1]):
+            row = logits[rows[r]]
+            top[r], finite[r] = _argmax(row.view(np.int32), block_max.view(np.int32))
+            winners[r], norms[r], verdicts[r] = top[r], np.nan, UNDECIDED
+            reached = reached and finite[r]
+            if not reached:
+                continue  # read for its argmax and finiteness only: nothing is drawn there
+            scale, floor = _scale(temperature[r]), np.float32(floors[r])
+            if draft_tokens[r] == NO_TOKEN:
+                if racing[r]:
+                    winners[r] = _race(row, top[r], block_max, scale, floor, keys[r], token_hash, _NO_IDS, _NO_WEIGHTS)
+                continue
+            # Rejection sampling's verdict on the row's draft, from p there, with the row still in cache; a
+            # rejection's residual is raced at once, and ends the walk.
+            top_logit = row[top[r]]
+            norms[r] = _log_norm(row, top_logit, block_max, scale, floor)
+            if thresholds[r] < _prob(row[draft_tokens[r]], top_logit, scale, floors[r], norms[r]):
+                verdicts[r] = ACCEPTED
+                continue
+            verdicts[r], reached = REJECTED, False
+            span = slice(q_starts[r], q_starts[r + 1])
+            weights = _residual_weights(row, top_logit, scale, floors[r], norms[r], q_ids[span], q_probs[span])
+            # A token whose p is below float32's smallest (2**-149) is 0, as in a dense float32 p.
+            kept = np.float32(max(floors[r], np.float64(top_logit) + temperature[r] * (norms[r] + _LOG_SMALLEST_P)))
+            winners[r] = _race(row, top[r], block_max, scale, kept, keys[r], token_hash, q_ids[span], weights)
+            if winners[r] == NO_TOKEN:  # p <= q everywhere: p itself, the row's own race
+                winners[r] = _race(row, top[r], block_max, scale, floor, keys[r], token_hash, _NO_IDS, _NO_WEIGHTS)
 
 
 _NO_IDS, _NO_WEIGHTS = np.zeros(0, np.int64), np.zeros(0, np.float32)
@@ -298,22 +301,8 @@ def _residual_weights(row, top_logit, scale, floor, norm, ids, q):
     return weights
 
 
-@njit(parallel=True, cache=True)
-def log_norms(logits, rows, temperature, floors, out):
-    """out[r] = the log-normaliser of row rows[r] (see _log_norm), NaN where the row is not finite."""
-    num_blocks = (logits.shape[1] + _BLOCK - 1) // _BLOCK
-    for r in prange(rows.shape[0]):
-        row = logits[rows[r]]
-        block_max = np.empty(num_blocks, np.float32)
-        top, finite = _argmax(row.view(np.int32), block_max.view(np.int32))
-        scale, floor = _scale(temperature[r]), np.float32(floors[r])
-        out[r] = _log_norm(row, row[top], block_max, scale, floor, True) if finite else np.nan
-
-
 # exp((logit - max) / T) below e**-64 adds nothing a float64 sum of <= 2**18 terms >= 1 can hold.
 _NEGLIGIBLE = np.float32(-64.0)
-# NORM_IF_FEW sums a row only where at most one block in this many has a logit that counts.
-_FEW = 8
 
 
 _LOG2E = np.float32(1.44269504088896341)
@@ -339,19 +328,12 @@ def _exp(x):
 # terms in float32 lanes (each <= 1), the blocks in float64. A call of its own, not inlined, so that it keeps
 # these flags.
 @njit(fastmath={"reassoc", "nsz", "arcp", "contract"})
-def _log_norm(row, top_logit, block_max, temperature, floor, always):
+def _log_norm(row, top_logit, block_max, temperature, floor):
     """log sum exp((logit - max) / T) over a finite row's tokens with logit >= floor, while the row is still
     in cache from its argmax: a block whose max (block_max, from _argmax) is below the lowest logit that
-    counts is skipped. Unless `always`, NaN (not summed) where over one block in _FEW counts: a flat row's
-    exponentials cost about what reading it again does, so it waits until the caller knows it needs it."""
+    counts is skipped."""
     _wide_vectors()
     lowest = max(floor, top_logit + _NEGLIGIBLE * temperature)
-    if not always:
-        counting = 0
-        for block in range(block_max.shape[0]):
-            counting += block_max[block] >= lowest
-        if counting * _FEW > block_max.shape[0]:
-            return np.nan
     scale = np.float32(1.0) / temperature
     total = 0.0
     for block in range(block_max.shape[0]):
@@ -378,20 +360,21 @@ def warm_up() -> None:
     logits = np.zeros((1, 8), np.float32)
     one = np.ones(1)
     table = noise.token_hash(np.arange(8, dtype=np.int64)).astype(np.uint32)
-    row, norms, verdicts = np.zeros(1, np.int64), np.zeros(2), np.zeros(1, np.int8)
+    row, span = np.zeros(1, np.int64), np.array([0, 1], np.int64)
     top, winners, finite = row.copy(), row.copy(), np.zeros(1, np.bool_)
+    norms, verdicts = np.zeros(1), np.zeros(1, np.int8)
     argmax_and_race(
         logits,
         row,
+        span,
         np.zeros(1, np.bool_),
         one,
         -np.inf * one,
         np.zeros(1, np.uint32),
         table,
-        np.full(1, NORM_ALWAYS, np.uint8),
         row,  # draft token 0
-        one / 2,  # u q(0) = 1/2 > p(0): rejected
-        np.array([0, 1], np.int64),
+        one / 2,  # u q(0) = 1/2 > p(0) = 1/8: rejected
+        span,
         row,
         one,
         top,
@@ -400,8 +383,7 @@ def warm_up() -> None:
         norms,
         verdicts,
     )
-    log_norms(logits, row, one, -np.inf * one, norms[1:])
-    if np.any(np.abs(norms - math.log(8.0)) > 1e-6):
-        raise RuntimeError(f"the compiled log-normaliser is wrong: {norms}")
+    if abs(norms[0] - math.log(8.0)) > 1e-6:
+        raise RuntimeError(f"the compiled log-normaliser is wrong: {norms[0]}")
     if verdicts[0] != REJECTED or not 1 <= winners[0] < 8:  # the residual: any token but 0
         raise RuntimeError(f"the compiled rejection is wrong: verdict {verdicts[0]}, residual {winners[0]}")

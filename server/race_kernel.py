@@ -23,6 +23,15 @@ specedge/noise.py's integer arithmetic in uint32 lanes, the exact score is
 (logit - max) / T + -log(-log u) in float32, and ties go to the lowest token
 id. (Only a score tie within the last bit of a float32 log could differ: the
 eager path's log is SLEEF's, this one libm's.)
+
+The same pass does rejection sampling for the chains sent with q (`Drafts`):
+each chain is one task that walks its rows in order, and at each draft it
+reaches it sums p's log-normaliser over the row (exponentials a vector at a
+time, skipping blocks too far below the max to count), tests p(token) against
+u q(token), and on a rejection races the residual normalize(max(p - q, 0)) at
+once, as the row's own race with q's tokens reweighted to log(max(p - q, 0)).
+After a rejection the chain's rows are read only for their argmax and
+finiteness: no exponentials, no race for the bonus.
 """
 
 from __future__ import annotations
@@ -37,21 +46,19 @@ from specedge import noise
 from specedge.server.kernels import load_kernel
 
 NO_TOKEN = -1  # a race in which no token has a finite score; in Drafts, a row without a draft
-# argmax_and_race's `norming` codes: no normaliser (0); one where the row is peaked, where few of its
-# tokens count (NORM_IF_FEW: a flat row's exponentials cost about what reading it again does); one always;
-# one the caller gives in `norms`.
-NORM_IF_FEW, NORM_ALWAYS, NORM_GIVEN = 1, 2, 3
-# argmax_and_race's verdict on a row's draft: none (no draft, or no normaliser summed), rejected, accepted.
+# argmax_and_race's verdict on a row's draft: none (no draft, or the walk did not reach it), rejected, accepted.
 UNDECIDED, REJECTED, ACCEPTED = -1, 0, 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Drafts:
-    """Per row, the draft token that rejection sampling decides there, and the q it was sampled from.
+    """The chains that rejection sampling walks: per row, the draft token decided there and the q it was
+    sampled from; and the groups of rows walked in order.
 
     A row's draft is accepted where p(token) > thresholds[r] (u q(token), server/rejection.py's test);
-    a threshold of +inf rejects it outright, for a row whose residual alone is wanted. Row r's q is
-    q_ids[q_starts[r]:q_starts[r + 1]] with q_probs there (renormalised to sum to 1).
+    a threshold of +inf rejects it outright. Row r's q is q_ids[q_starts[r]:q_starts[r + 1]] with q_probs
+    there (renormalised to sum to 1). Group g is rows groups[g]:groups[g + 1]: a chain's drafts and then its
+    bonus row, or a single row.
     """
 
     token_ids: np.ndarray  # [R] int64; NO_TOKEN: no draft at the row
@@ -59,12 +66,13 @@ class Drafts:
     q_starts: np.ndarray  # [R + 1] int64
     q_ids: np.ndarray  # [K] int64
     q_probs: np.ndarray  # [K] float64
+    groups: np.ndarray  # [G + 1] int64, from 0 to R
 
     @staticmethod
     def none(num_rows: int) -> Drafts:
         empty = np.zeros(0, np.int64)
         no_tokens, no_starts = np.full(num_rows, NO_TOKEN, np.int64), np.zeros(num_rows + 1, np.int64)
-        return Drafts(no_tokens, np.zeros(num_rows), no_starts, empty, np.zeros(0))
+        return Drafts(no_tokens, np.zeros(num_rows), no_starts, empty, np.zeros(0), np.arange(num_rows + 1))
 
 
 @functools.cache
@@ -85,19 +93,19 @@ def argmax_and_race(
     temperature: torch.Tensor,  # [R] float64 > 0
     floors: torch.Tensor,  # [R] float64: tokens with logit < floor are excluded
     keys: torch.Tensor,  # [R] int64 noise keys (< 2**32)
-    norming: np.ndarray | None = None,  # [R] uint8: 0, NORM_IF_FEW, NORM_ALWAYS or NORM_GIVEN (None: all 0)
     drafts: Drafts | None = None,
-    norms: np.ndarray | None = None,  # [R] float64: the normalisers of NORM_GIVEN's rows
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's argmax (ties to the lowest id), whether its max is finite (no NaN, no +-inf max),
-    its draw: the race's winner where racing, else the argmax; NO_TOKEN where nothing could win, and,
-    as `norming` asks, log sum exp((logit - max) / T) over its tokens with logit >= floor (float64; NaN
-    where not summed and in a row that is not finite). The normaliser is summed while the row is still
-    in cache from its argmax, skipping the blocks whose weight a float64 sum cannot see.
+    """Each row's argmax (ties to the lowest id), whether its max is finite (no NaN, no +-inf max), its
+    draw, its log-normaliser and its verdict, in one read of the row.
 
-    Where a row has a draft and a normaliser, also rejection sampling's verdict on it (else UNDECIDED);
-    a rejected draft's draw is its residual's sample, normalize(max(p - q, 0)) (p itself where that is
-    empty), raced with the row's own noise key."""
+    A row's draw is the race's winner where racing, else the argmax; NO_TOKEN where nothing could win.
+    A row with a draft (`drafts`) gets rejection sampling's verdict on it, from p there, and its
+    log-normaliser, log sum exp((logit - max) / T) over its tokens with logit >= floor (float64; NaN at
+    every other row), summed while the row is still in cache, skipping the blocks whose weight a float64
+    sum cannot see; a rejected draft's draw is its residual's sample, normalize(max(p - q, 0)) (p itself
+    where that is empty), raced with the row's own noise key. A chain is walked in order: after its
+    first rejection or a row that is not finite, its rows are read for their argmax and finiteness
+    only (UNDECIDED, their draw the argmax), so a bonus row is raced only where every draft was accepted."""
     compiled = kernel()
     values = logits.detach().contiguous().numpy()
     row_index = np.arange(values.shape[0], dtype=np.int64) if rows is None else rows.numpy().astype(np.int64)
@@ -107,19 +115,18 @@ def argmax_and_race(
     top = np.empty(num_rows, np.int64)
     finite = np.empty(num_rows, np.bool_)
     winners = np.empty(num_rows, np.int64)
-    norms = np.full(num_rows, np.nan) if norms is None else np.array(norms, np.float64)
+    norms = np.empty(num_rows, np.float64)
     verdicts = np.empty(num_rows, np.int8)
-    norming = np.zeros(num_rows, np.uint8) if norming is None else np.ascontiguousarray(norming, np.uint8)
     compiled.set_threads(torch.get_num_threads())
     compiled.argmax_and_race(
         values,
         row_index,
+        drafts.groups,
         np.ascontiguousarray(racing, np.bool_),
         np.ascontiguousarray(temperature.double().numpy()),
         np.ascontiguousarray(floors.double().numpy()),
         keys.numpy().astype(np.uint32),
         _token_hash_table(values.shape[1]),
-        norming,
         drafts.token_ids,
         drafts.thresholds,
         drafts.q_starts,
@@ -138,26 +145,6 @@ def argmax_and_race(
         torch.from_numpy(norms),
         torch.from_numpy(verdicts),
     )
-
-
-def log_norms(
-    logits: torch.Tensor,  # [L, V] float32 on CPU
-    rows: torch.Tensor,  # [R] int64
-    temperature: torch.Tensor,  # [R] float64 > 0
-    floors: torch.Tensor,  # [R] float64
-) -> torch.Tensor:  # [R] float64: log sum exp((logit - max) / T) over the tokens with logit >= floor
-    """The log-normaliser of p at each row, as argmax_and_race's NORM_ALWAYS sums it (NaN where not finite)."""
-    compiled = kernel()
-    out = np.empty(len(rows), np.float64)
-    compiled.set_threads(torch.get_num_threads())
-    compiled.log_norms(
-        logits.detach().contiguous().numpy(),
-        rows.numpy().astype(np.int64),
-        np.ascontiguousarray(temperature.double().numpy()),
-        np.ascontiguousarray(floors.double().numpy()),
-        out,
-    )
-    return torch.from_numpy(out)
 
 
 def _check_ids(drafts: Drafts, vocab_size: int) -> None:

@@ -21,15 +21,12 @@ most once and a seeded session is reproducible token for token.
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from specedge import noise
-from specedge.server import race_kernel
 from specedge.server.sampling import probs_with_floors, sample_weights
 from specedge.server.verify import VerifyResult
 from specedge.types import SparseDist
@@ -91,49 +88,17 @@ def residual_tokens(
     rows: Sequence[int],  # [R] the logit row of each rejection: p there is the target's distribution
     temperature: torch.Tensor,  # [L] float64
     floors: torch.Tensor,  # [L] float64
-    log_norms: Sequence[float],  # [R] log sum exp((logit - max) / T) over the kept tokens of each row
     dists: Sequence[SparseDist],  # [R] the q each rejected draft was sampled from
     seeds: Sequence[int],  # [R]
     positions: Sequence[int],  # [R]
 ) -> list[int]:
-    """`residual_token` for many rejections at once, from logits rather than dense p.
-
-    Off q's support the residual is p itself, so its race is the row's own race; only the
-    tokens of q get new weights, log(max(p - q, 0)), on the same (logit - max) / T scale.
-    Compiled, as the argmax pass draws the residuals of the drafts it rejects (race_kernel).
-    """
+    """`residual_token` for many rejections at once: the eager path's (on CPU in float32 the argmax pass
+    draws them, server/race_kernel.py)."""
     if not rows:
         return []
     index = torch.tensor(list(rows), device=logits.device)
-    seed_keys = np.fromiter(map(noise.seed_key, seeds), np.int64, len(rows))
-    keys = torch.from_numpy(noise.position_key(seed_keys, np.asarray(positions, np.int64), noise.TARGET_STREAM))
-    if not race_kernel.covers(logits):
-        p_rows = probs_with_floors(logits[index], temperature[index], floors[index])  # [R, V]
-        return [residual_token(p, d, s, pos) for p, d, s, pos in zip(p_rows, dists, seeds, positions)]
-    # Each row's draft is rejected outright (threshold +inf), so the kernel draws its residual.
-    drafts = sparse_drafts(dists, [d.token_ids[0] for d in dists], np.full(len(dists), math.inf))
-    given = np.full(len(rows), race_kernel.NORM_GIVEN, np.uint8)
-    racing = np.zeros(len(rows), np.bool_)
-    norms = np.asarray(log_norms, np.float64)
-    drawn = race_kernel.argmax_and_race(
-        logits, index, racing, temperature[index], floors[index], keys, given, drafts, norms
-    )
-    return drawn[2].tolist()
-
-
-def sparse_drafts(
-    dists: Sequence[SparseDist],  # [R] the q each draft was sampled from
-    token_ids: Sequence[int],  # [R] the draft tokens
-    thresholds: np.ndarray,  # [R] float64: u q(token), the p a draft must pass to be accepted
-) -> race_kernel.Drafts:
-    """The kernel's form of R drafts: each q renormalised as SparseDist.prob_of does (its own sum, in order)."""
-    sizes = np.fromiter((len(d.token_ids) for d in dists), np.int64, len(dists))
-    total = int(sizes.sum())
-    q_ids = np.fromiter(itertools.chain.from_iterable(d.token_ids for d in dists), np.int64, total)
-    sums = np.repeat(np.fromiter((sum(d.probs) for d in dists), np.float64, len(dists)), sizes)
-    q_probs = np.fromiter(itertools.chain.from_iterable(d.probs for d in dists), np.float64, total) / sums
-    q_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return race_kernel.Drafts(np.asarray(token_ids, np.int64), thresholds, q_starts, q_ids, q_probs)
+    p_rows = probs_with_floors(logits[index], temperature[index], floors[index])  # [R, V]
+    return [residual_token(p, d, s, pos) for p, d, s, pos in zip(p_rows, dists, seeds, positions)]
 
 
 def _dense(dist: SparseDist, like: torch.Tensor) -> torch.Tensor:

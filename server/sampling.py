@@ -154,26 +154,25 @@ def argmax_and_race(
     temperature: torch.Tensor,  # [N] float64 > 0
     floors: torch.Tensor,  # [N] float64
     keys: torch.Tensor,  # [N] int64 noise keys
-    norming: torch.Tensor | None = None,  # [N] uint8 race_kernel codes: log-normalisers rejection will need
-    drafts: race_kernel.Drafts | None = None,  # the drafts rejection sampling decides, where it can here
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    drafts: race_kernel.Drafts | None = None,  # the chains rejection sampling walks, where compiled
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every row's argmax, whether its max is finite, and every racing row's sample, in one pass over the
-    logits where compiled; there also the log sum exp((logit - max) / T) over its kept tokens of each row
-    `norming` asks for (float64, NaN where not summed) and the verdicts on `drafts` at rows with one
-    (race_kernel.argmax_and_race: a rejected draft's draw is its residual's). Else None and None: the
-    eager path leaves those to the caller."""
+    logits where compiled; there `drafts`' chains are walked in the same pass, and the fourth value holds
+    each draft's verdict (race_kernel.argmax_and_race: a rejected draft's draw is its residual's, and a
+    bonus row is raced only where its chain's drafts were all accepted). Else None: the eager path leaves
+    rejection sampling to the caller."""
     if race_kernel.covers(logits):
-        norming_rows = None if norming is None else norming.numpy()
-        return race_kernel.argmax_and_race(
-            logits, None, racing.numpy(), temperature, floors, keys, norming_rows, drafts
+        top, finite, drawn, _, verdicts = race_kernel.argmax_and_race(
+            logits, None, racing.numpy(), temperature, floors, keys, drafts
         )
+        return top, finite, drawn, verdicts
     values, top = logits.max(dim=-1)  # [N]: NaN and +inf propagate into the max
     finite = torch.isfinite(values)
     if not bool(racing.any()):
-        return top, finite, top, None, None
+        return top, finite, top, None
     # A row out of the race has no candidates (floor +inf) and keeps its argmax.
     floors = floors.masked_fill(~racing.to(floors.device), math.inf)
-    return top, finite, _race_eager(logits, temperature, floors, keys, (values, top)), None, None
+    return top, finite, _race_eager(logits, temperature, floors, keys, (values, top)), None
 
 
 def race(

@@ -106,25 +106,40 @@ def test_argmax_and_finiteness_match_torch():
     logits[5] = 0.0
     logits[5, :3] = -0.0  # -0.0 == 0.0: the first zero is the argmax
     logits[6, 999] = -math.nan
-    top, finite, drawn, norms, _ = race_kernel.argmax_and_race(
-        logits,
-        None,
+    greedy = (
         np.zeros(8, np.bool_),
         torch.ones(8, dtype=torch.float64),
         torch.full((8,), -math.inf, dtype=torch.float64),
         torch.zeros(8, dtype=torch.long),
-        norming=np.full(8, race_kernel.NORM_ALWAYS, np.uint8),
     )
-    # A row whose max is not finite has no normaliser; the others do, over their finite tokens.
-    assert [math.isnan(norm) for norm in norms.tolist()] == [not ok for ok in finite.tolist()]
+    top, finite, drawn, _, _ = race_kernel.argmax_and_race(logits, None, *greedy)
     values, expected = logits.max(dim=-1)
     assert finite.tolist() == torch.isfinite(values).tolist() == [True, False, False, False, True, True, False, True]
     assert [t for t, ok in zip(top.tolist(), finite.tolist()) if ok] == expected[finite].tolist()
     assert drawn.tolist() == top.tolist()  # rows out of the race keep their argmax
+    # A draft on a row whose max is not finite is left undecided, with no normaliser.
+    drafts = _rejected_outright([SparseDist([0], [1.0])] * 8)
+    _, _, _, norms, verdicts = race_kernel.argmax_and_race(logits, None, *greedy, drafts)
+    assert [math.isnan(norm) for norm in norms.tolist()] == [not ok for ok in finite.tolist()]
+    assert [v == race_kernel.UNDECIDED for v in verdicts.tolist()] == [not ok for ok in finite.tolist()]
+
+
+def _rejected_outright(dists, chain=None):
+    """Drafts for race_kernel.argmax_and_race: at row r the first token of dists[r], rejected outright (threshold
+    +inf), so that its residual is drawn; a dist of None: no draft there. Each row alone, or `chain` as one group."""
+    num_rows = len(dists)
+    token_ids = np.array([race_kernel.NO_TOKEN if d is None else d.token_ids[0] for d in dists], np.int64)
+    sizes = [0 if d is None else len(d.token_ids) for d in dists]
+    q_ids = np.array([t for d in dists if d is not None for t in d.token_ids], np.int64)
+    q_probs = np.array([p / sum(d.probs) for d in dists if d is not None for p in d.probs], np.float64)
+    groups = np.arange(num_rows + 1) if chain is None else np.array(chain, np.int64)
+    q_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return race_kernel.Drafts(token_ids, np.full(num_rows, math.inf), q_starts, q_ids, q_probs, groups)
 
 
 def test_residuals_from_logits_are_the_dense_residuals():
-    """A rejection's residual, drawn from logits with q's tokens reweighted, equals the dense max(p - q, 0) draw."""
+    """A rejection's residual, drawn in the argmax pass with q's tokens reweighted, equals the dense
+    max(p - q, 0) draw."""
     generator = torch.Generator().manual_seed(6)
     logits = torch.randn(40, 5000, generator=generator) * torch.tensor([0.5, 3.0, 30.0, 3.0, 3.0] * 8)[:, None]
     temperature = torch.full((40,), 0.7, dtype=torch.float64)
@@ -138,15 +153,45 @@ def test_residuals_from_logits_are_the_dense_residuals():
         weights = top.values * torch.rand(8, generator=generator, dtype=torch.float64) * 2 + 0.02
         dists.append(SparseDist(top.indices.tolist(), (weights / weights.sum()).tolist()))
     dists[4] = SparseDist([int(logits[4].argmax())], [1.0])  # q = p = one-hot: an empty residual, so p itself
-    values = logits.max(dim=-1).values
-    shifted = (logits - values[:, None]) / temperature[:, None].float()
-    log_norms = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).double().logsumexp(dim=-1).tolist()
+    racing = np.zeros(40, np.bool_)
     for seed in range(5):
         positions = [seed * 100 + row for row in range(40)]
-        fast = residual_tokens(logits, list(range(40)), temperature, floors, log_norms, dists, [seed] * 40, positions)
+        keys = row_keys(seed, positions, torch.device("cpu"))
+        _, _, fast, _, verdicts = race_kernel.argmax_and_race(
+            logits, None, racing, temperature, floors, keys, _rejected_outright(dists)
+        )
         dense = [residual_token(p[row], dists[row], seed, positions[row]) for row in range(40)]
-        assert fast == dense
+        assert fast.tolist() == dense
         assert fast[4] == int(logits[4].argmax())
+        assert (verdicts == race_kernel.REJECTED).all()
+        # The eager path's batched residuals are the dense ones too.
+        assert residual_tokens(logits, range(40), temperature, floors, dists, [seed] * 40, positions) == dense
+
+
+def test_a_chain_is_walked_only_as_far_as_its_drafts_are_accepted():
+    """A chain's rows are one group, walked in order: after a rejection (or a row that is not finite) its rows
+    get no verdict and no normaliser, and its bonus row is not raced (its draw stays the argmax)."""
+    generator = torch.Generator().manual_seed(13)
+    logits = torch.randn(8, 3000, generator=generator) * 3
+    logits[6, 17] = math.nan
+    dists = [SparseDist([5, 9], [0.5, 0.5])] * 8
+    drafts = _rejected_outright(dists[:2] + [None] + dists[3:5] + [None] + dists[6:7] + [None], [0, 3, 6, 8])
+    racing = np.array([False, False, True, False, False, True, False, True])
+    temperature = torch.ones(8, dtype=torch.float64)
+    floors = torch.full((8,), -math.inf, dtype=torch.float64)
+    keys = torch.arange(8, dtype=torch.long) + 100
+    top, finite, drawn, norms, verdicts = race_kernel.argmax_and_race(
+        logits, None, racing, temperature, floors, keys, drafts
+    )
+    rejected, undecided = race_kernel.REJECTED, race_kernel.UNDECIDED
+    # Chain [0, 3): rejected at once; chain [3, 6) likewise; chain [6, 8): its first row is not finite.
+    assert verdicts.tolist() == [rejected, undecided, undecided, rejected, undecided, undecided, undecided, undecided]
+    assert [math.isnan(n) for n in norms.tolist()] == [False, True, True, False, True, True, True, True]
+    assert drawn[[1, 2, 4, 5, 6, 7]].tolist() == top[[1, 2, 4, 5, 6, 7]].tolist()
+    assert finite.tolist() == [True] * 6 + [False, True]
+    # Each row alone, the same bonus rows are raced: a winner other than the argmax somewhere.
+    alone = race_kernel.argmax_and_race(logits, None, racing, temperature, floors, keys)[2]
+    assert alone[[2, 5, 7]].tolist() != top[[2, 5, 7]].tolist()
 
 
 def test_the_kernels_exponential_is_within_a_float32_rounding():
@@ -158,42 +203,25 @@ def test_the_kernels_exponential_is_within_a_float32_rounding():
 
 @pytest.mark.parametrize("temperature", [1e-39, 0.8, 1.0, 1e3])
 def test_log_norms_are_float64_logsumexp(temperature):
-    """The argmax pass's log-normalisers where asked for: the vectorized sum (float32 exponentials and
-    lanes) against torch's float64 logsumexp."""
+    """The argmax pass's log-normalisers at the rows with a draft: the vectorized sum (float32 exponentials
+    and lanes) against torch's float64 logsumexp."""
     generator = torch.Generator().manual_seed(10)
     logits = torch.randn(24, 20_000, generator=generator) * torch.tensor([0.3, 3.0, 30.0] * 8)[:, None]
     logits[3, :5000] = -math.inf
     temperatures = torch.full((24,), temperature, dtype=torch.float64)
     floors = logit_floors(logits, temperatures, [0, 0, 0, 40, 1, 5000] * 4, [1.0] * 24)
-    values = logits.max(dim=-1).values
-    norming = torch.arange(24) % 5 != 2  # rows not asked for get none
-    codes = norming.numpy().astype(np.uint8) * race_kernel.NORM_ALWAYS
+    values, top = logits.max(dim=-1)
+    with_draft = torch.arange(24) % 5 != 2  # rows without a draft get no normaliser
+    dists = [SparseDist([int(t)], [1.0]) if ok else None for t, ok in zip(top.tolist(), with_draft.tolist())]
     keys = torch.zeros(24, dtype=torch.long)
     racing = np.zeros(24, np.bool_)
-    compiled = race_kernel.argmax_and_race(logits, None, racing, temperatures, floors, keys, codes)[3]
-    assert compiled[~norming].isnan().all()
+    compiled = race_kernel.argmax_and_race(logits, None, racing, temperatures, floors, keys, _rejected_outright(dists))[
+        3
+    ]
+    assert compiled[~with_draft].isnan().all()
     shifted = (logits.double() - values[:, None].double()) / max(temperature, torch.finfo(torch.float32).tiny)
     exact = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).logsumexp(dim=-1)
-    torch.testing.assert_close(compiled[norming], exact[norming], rtol=0, atol=1e-6)
-
-
-def test_a_flat_row_is_normed_in_the_argmax_pass_only_when_always_asked():
-    """NORM_IF_FEW sums a peaked row (few blocks hold a logit that counts) and leaves a flat one NaN, for the
-    walk to sum if it gets there; NORM_ALWAYS sums both. The standalone kernel sums the same."""
-    generator = torch.Generator().manual_seed(12)
-    logits = torch.randn(4, 20_000, generator=generator)  # rows 2 and 3: flat
-    logits[:2] = -200.0
-    logits[:2, 5000:5010] = torch.randn(2, 10, generator=generator)  # rows 0 and 1: one block counts
-    temperature = torch.ones(4, dtype=torch.float64)
-    floors = torch.full((4,), -math.inf, dtype=torch.float64)
-    codes = np.array([race_kernel.NORM_IF_FEW, race_kernel.NORM_ALWAYS] * 2, np.uint8)
-    keys = torch.zeros(4, dtype=torch.long)
-    norms = race_kernel.argmax_and_race(logits, None, np.zeros(4, np.bool_), temperature, floors, keys, codes)[3]
-    exact = (logits.double() - logits.double().amax(dim=-1, keepdim=True)).logsumexp(dim=-1)
-    assert norms[2].isnan()
-    torch.testing.assert_close(norms[[0, 1, 3]], exact[[0, 1, 3]], rtol=0, atol=1e-6)
-    standalone = race_kernel.log_norms(logits, torch.arange(4), temperature, floors)
-    torch.testing.assert_close(standalone, exact, rtol=0, atol=1e-6)
+    torch.testing.assert_close(compiled[with_draft], exact[with_draft], rtol=0, atol=1e-6)
 
 
 def test_draw_rows_agree_on_the_compiled_and_the_eager_path():
@@ -218,12 +246,12 @@ def test_draw_rows_agree_on_the_compiled_and_the_eager_path():
 
 
 def test_the_pass_decides_drafts_as_the_dense_rejection_sampler_does():
-    """The argmax pass decides the drafts whose normaliser it sums (every first draft; later ones on peaked
-    rows) and races a rejected draft's residual there; the walk decides the rest. Every chain's outcome
-    equals verify_chain_by_rejection on the dense p, whichever of the two decided it."""
+    """The argmax pass walks each chain: p at each draft it reaches, its verdict, a rejected draft's residual
+    raced there, the bonus where every draft was accepted. Every chain's outcome, on flat rows and peaked,
+    under top-k and top-p, equals verify_chain_by_rejection on the dense p."""
     generator = torch.Generator().manual_seed(14)
     num_chains, depth = 12, 4
-    # Flat rows (the pass leaves their later drafts to the walk) and peaked rows (it decides them all).
+    # Flat rows and peaked rows.
     scales = torch.tensor([1.0, 1.0, 12.0, 12.0, 4.0, 0.5] * 2).repeat_interleave(depth + 1)
     logits = torch.randn(num_chains * (depth + 1), 3000, generator=generator) * scales[:, None]
     params = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.1, top_k=50, top_p=0.95)]
