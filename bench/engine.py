@@ -16,7 +16,8 @@ Measured one after the other in this process (CPU only):
    module by module, all taken in turn; and one layer's attention alone on both, at --attention-keys cached
    keys a row;
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
-4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits;
+4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits
+   (of a random context, flat and scaled to peaked, and of the shipped prompts' text);
 5. peak RSS after each phase and the KV cache each path reserved.
 
 A step is named ROWSxTOKENS, +pN or both: "8x5" is 8 rows of 5 new tokens (causal chains with every
@@ -52,6 +53,7 @@ from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import PackedLinear, PlainLinear, numba_unavailable, onednn_unavailable
 from specedge.server.model import ModelArgs
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
+from specedge.server.verify import VerifyResult
 from specedge.types import SamplingParams, SparseDist
 
 PATHS = ("eager", "onednn", "numba")
@@ -62,6 +64,7 @@ DEFAULT_STEPS = ("1x1", "1x5", "8x1", "8x5", "16x5", "7x5+p120", "p155")
 HOST_TOKENS_PER_ROW = 5  # a verify round: the pending token and 4 drafts
 HOST_TEMPERATURE = 0.8
 HOST_PEAKED_SCALE = 20.0  # the host draws' peaked case: the sample's logits times this
+HOST_TEXT_TOKENS = 80  # the host draws' text case: the logits at this many positions of the prompts' text
 DRAFT_TOP = 20  # tokens in each draft distribution q sent with a sampled round
 CACHE_FLUSH_BYTES = 256 * 2**20  # read before each timed small-M product: its weight leaves the 32 MB L3 (EPYC)
 STREAM_COLUMNS = 1536  # the stream limit's table is [rows, this]: the numba reader's product is a weight's shape
@@ -367,8 +370,11 @@ def time_path(
     steps: list[Step],
     peak_product: tuple[Callable[[], object], float],
     progress: Callable[[str], None],
-) -> tuple[dict, torch.Tensor, ModelArgs]:
-    """Load the target on one matmul path and time every step; also the largest step's logits, and the shape.
+    text_ids: list[int] | None = None,
+) -> tuple[dict, dict[str, torch.Tensor], ModelArgs]:
+    """Load the target on one matmul path and time every step; also logits for the host draws (the largest
+    step's, "random", and where `text_ids` are given the logits at each of their positions, "text"), and the
+    shape.
 
     Each step's forwards are taken in turn with reads of the embedding table (plain on every path, and far
     larger than any cache) by each stream reader, the faster median counting, and with the product that set the
@@ -426,6 +432,12 @@ def time_path(
     largest = max(steps, key=lambda step: step.num_logits)
     sample = runner.forward_packed(largest.requests(config.prefix, token_ids))  # [num_logits, vocab]
     assert sample is not None, "one process: the logits are all here"
+    samples = {"random": sample}
+    if text_ids:
+        text = tuple(text_ids[: min(HOST_TEXT_TOKENS, max_len)])
+        text_logits = runner.forward_packed([ForwardRequest(0, 0, text, all_logits=True)])
+        assert text_logits is not None, "one process: the logits are all here"
+        samples["text"] = text_logits
     kv_bytes = sum(t.nbytes for t in (*kv.k, *kv.v))
     figures = {
         "matmul": target.matmul,
@@ -436,7 +448,7 @@ def time_path(
         "kv_cache_bytes": kv_bytes,
         **_memory(),
     }
-    return figures, sample, model.args
+    return figures, samples, model.args
 
 
 def hf_greedy(resolved: ResolvedModel, config: EngineBenchConfig, progress: Callable[[str], None]) -> dict:
@@ -465,17 +477,25 @@ def hf_greedy(resolved: ResolvedModel, config: EngineBenchConfig, progress: Call
     return result
 
 
-def host_draws(sample: torch.Tensor, config: EngineBenchConfig) -> dict:
-    """draw_rows over host_rows verify rounds of real logits (the sample's rows, repeated): ms per step.
+def host_draws(samples: Mapping[str, torch.Tensor], config: EngineBenchConfig) -> dict:
+    """draw_rows over host_rows verify rounds of real logits (a sample's rows, repeated): ms per step.
 
-    Twice: on the logits as they are (a random context: flat), and scaled by HOST_PEAKED_SCALE,
-    as peaked as text's, where the race has few tokens within reach. In turn with the draws, one
-    read of the same logits (torch's amax over each row): the floor of any step that looks at them.
+    On the logits of a random context as they are (flat), and scaled by HOST_PEAKED_SCALE (peaked: the race
+    has few tokens within reach); and, where the bench has them, on the logits of real text (the shipped
+    prompts), which lie between. In turn with the draws, one read of the same logits (torch's amax over each
+    row): the floor of any step that looks at them.
     """
     num_logits = config.host_rows * HOST_TOKENS_PER_ROW
-    flat = sample.repeat(math.ceil(num_logits / sample.shape[0]), 1)[:num_logits].contiguous()  # [L, V]
+
+    def rows_of(sample: torch.Tensor) -> torch.Tensor:  # [L, V]
+        return sample.repeat(math.ceil(num_logits / sample.shape[0]), 1)[:num_logits].contiguous()
+
+    flat = rows_of(samples["random"])
+    cases = {"flat": flat, "peaked": flat * HOST_PEAKED_SCALE}
+    if "text" in samples:
+        cases["text"] = rows_of(samples["text"])
     results: dict = {"logits_shape": list(flat.shape), "peaked_scale": HOST_PEAKED_SCALE}
-    for case, logits in (("flat", flat), ("peaked", flat * HOST_PEAKED_SCALE)):
+    for case, logits in cases.items():
         # How much of the vocabulary the race's first bound admits: logit >= max + T * (g - GUMBEL_MAX).
         within_reach = logits >= (logits.max(dim=-1).values - HOST_TEMPERATURE * noise.GUMBEL_MAX)[:, None]
         calls: dict[str, Callable[[], object]] = {"read": functools.partial(torch.amax, logits, dim=-1)}
@@ -483,8 +503,25 @@ def host_draws(sample: torch.Tensor, config: EngineBenchConfig) -> dict:
         times: dict[str, object] = {"fraction_within_race_bound": within_reach.float().mean().item()}
         for kind, runs in _in_turn_ms(calls, config.repeats).items():
             times[kind] = {"ms": statistics.median(runs), "times_ms": runs}
+        if case == "text":  # how deep the chains' walks went: drafts accepted per chain
+            drawn = draw_rows(logits, _host_rows(logits, config)["rejection"])
+            times["accepted_per_chain"] = statistics.mean(
+                len(d.accepted_nodes) for d in drawn if isinstance(d, VerifyResult)
+            )
+            times["tokens"] = samples["text"].shape[0]
         results[case] = times
     return results
+
+
+def _text_ids(resolved: ResolvedModel) -> list[int] | None:
+    """Token ids of the shipped prompts' text, through the target's own tokenizer (None for random weights)."""
+    if resolved.format == "random":
+        return None
+    from specedge.bench.prompts import load_prompts
+    from specedge.edge_client.tokenizer import load_tokenizer
+
+    text = "\n\n".join(message["content"] for prompt in load_prompts() for message in prompt.messages)
+    return load_tokenizer(resolved).encode(text)
 
 
 def _host_rows(logits: torch.Tensor, config: EngineBenchConfig) -> dict[str, list[RowDraw]]:
@@ -530,15 +567,16 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     say(f"limits: stream {bandwidth:.1f} GB/s (median), GEMM peak {peak:.0f} GFLOP/s")
 
     paths: dict[str, dict] = {}
-    sample: torch.Tensor | None = None
+    samples: dict[str, torch.Tensor] | None = None
     args: ModelArgs | None = None
     peak_product = _peak_product(limits["gemm"], DTYPES[config.dtype])
+    text_ids = _text_ids(resolved)
     for path in config.matmul:
-        paths[path], logits, args = time_path(resolved, path, config, steps, peak_product, say)
-        sample = logits if sample is None else sample
+        paths[path], logits, args = time_path(resolved, path, config, steps, peak_product, say, text_ids)
+        samples = logits if samples is None else samples
         del logits
         gc.collect()  # the previous path's weights go before the next path loads its own
-    if sample is None or args is None:
+    if samples is None or args is None:
         raise ValueError("no --matmul path to time")
     cost = CostModel.of(args, DTYPES[config.dtype])
     if config.attention_keys:
@@ -548,7 +586,7 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
         hf = {"skipped": "--hf-decode 0"}
     hf = hf or hf_greedy(resolved, config, say)
     gc.collect()
-    host = host_draws(sample, config)
+    host = host_draws(samples, config)
     meta["load_average_after"] = os.getloadavg()
 
     roofline = {
@@ -906,25 +944,33 @@ def engine_markdown(results: dict) -> str:
             + (f"; this engine's 1x1 step: {ours}." if ours else ".")
         )
     rows, vocab = host["logits_shape"]
+    cases = [case for case in ("flat", "peaked", "text") if case in host]
     lines += [
         "",
         f"## Host time per step: draw_rows over {rows // HOST_TOKENS_PER_ROW} rows x {HOST_TOKENS_PER_ROW} tokens "
-        f"([{rows}, {vocab}] logits from a random-token context)",
+        f"([{rows}, {vocab}] logits from a random-token context" + (", and from text)" if "text" in host else ")"),
         "",
         f"A random context's logits are flatter than text's: the race's first bound (T x {noise.GUMBEL_MAX:g} below "
         f"the row's max) admits {host['flat']['fraction_within_race_bound']:.0%} of them. The peaked case scales them "
-        f"by {host['peaked_scale']:g}, which leaves {host['peaked']['fraction_within_race_bound']:.2%}.",
+        f"by {host['peaked_scale']:g}, which leaves {host['peaked']['fraction_within_race_bound']:.2%}."
+        + (
+            f" The text case takes the logits at {host['text']['tokens']} positions of the shipped prompts' text "
+            f"({host['text']['fraction_within_race_bound']:.2%} within the bound; with top-{DRAFT_TOP} q its chains "
+            f"accept {host['text']['accepted_per_chain']:.1f} of {HOST_TOKENS_PER_ROW - 1} drafts on average)."
+            if "text" in host
+            else ""
+        ),
         "",
         "Each case's calls were taken in turn with one read of its logits (torch's amax over each row), the floor "
         "of anything that looks at every logit once.",
         "",
-        "| draws | flat ms | x read | peaked ms | x read |",
-        "|---|---|---|---|---|",
+        "| draws | " + " | ".join(f"{case} ms | x read" for case in cases) + " |",
+        "|---|" + "---|---|" * len(cases),
         *(
             f"| {label} | "
             + " | ".join(
                 f"{host[case][kind]['ms']:.1f} | {_x(host[case][kind]['ms'] / host[case]['read']['ms'])}"
-                for case in ("flat", "peaked")
+                for case in cases
             )
             + " |"
             for kind, label in (

@@ -90,9 +90,10 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         "host fraction in the race": results["host"]["flat"].get("fraction_within_race_bound"),
         **{
             f"host {case} {kind}": results["host"][case].get(kind, {}).get("ms")
-            for case in ("flat", "peaked")
+            for case in ("flat", "peaked", "text")
             for kind in ("read", "greedy", "sampled", "rejection")
         },
+        "host text tokens": results["host"]["text"].get("tokens"),
         **{f"roofline {name}": results["roofline"].get(name, {}).get("ms") for name in DEFAULT_STEPS},
     }
     for path in PATHS:
@@ -141,11 +142,12 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert stream["gb_s_median"] == max(read["gb_s_median"] for read in stream["readers"].values())
     assert "| memory stream (used) |" in table
     # The host draws against one read of the same logits, taken in turn with them.
-    assert "| draws | flat ms | x read | peaked ms | x read |" in table
-    assert all(
-        len(results["host"][case][kind]["times_ms"]) == 1 for case in ("flat", "peaked") for kind in ("read", "greedy")
-    )
-    for case in ("flat", "peaked"):
+    assert "| draws | flat ms | x read | peaked ms | x read | text ms | x read |" in table
+    cases = ("flat", "peaked", "text")
+    assert all(len(results["host"][case][kind]["times_ms"]) == 1 for case in cases for kind in ("read", "greedy"))
+    # The text case: the logits at each position of the prompts' text (as many as the cache holds).
+    assert 0 <= results["host"]["text"]["accepted_per_chain"] <= 4
+    for case in cases:
         assert f"{results['host'][case]['greedy']['ms'] / results['host'][case]['read']['ms']:.2f}x" in table
     assert "## Attention: numba against the row loop" in table
     layer = results["limits"]["attention"]
