@@ -215,6 +215,11 @@ def _race(row, top, block_max, temperature, floor, key, token_hash, override_ids
     return winner
 
 
+_NO_IDS, _NO_WEIGHTS = np.zeros(0, np.int64), np.zeros(0, np.float32)  # a race without overrides
+_TINY = np.float32(np.finfo(np.float32).tiny)
+_LOG_SMALLEST_P = math.log(2.0**-149)  # float32's smallest positive p
+
+
 @njit(parallel=True, cache=True)
 def argmax_and_race(
     logits,
@@ -270,11 +275,6 @@ def argmax_and_race(
             winners[r] = _race(row, top[r], block_max, scale, kept, keys[r], token_hash, q_ids[span], weights)
             if winners[r] == NO_TOKEN:  # p <= q everywhere: p itself, the row's own race
                 winners[r] = _race(row, top[r], block_max, scale, floor, keys[r], token_hash, _NO_IDS, _NO_WEIGHTS)
-
-
-_NO_IDS, _NO_WEIGHTS = np.zeros(0, np.int64), np.zeros(0, np.float32)
-_TINY = np.float32(np.finfo(np.float32).tiny)
-_LOG_SMALLEST_P = math.log(2.0**-149)
 
 
 @njit(inline="always")
