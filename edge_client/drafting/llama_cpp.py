@@ -52,9 +52,14 @@ _AMX_MISCOMPUTED = frozenset({llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, llama_cpp.LLAMA
 _MODEL_PARAMS_LOCK = threading.Lock()
 
 
+def _amx_in_build() -> bool:
+    """Whether this llama.cpp build would put weights in its AMX buffers."""
+    return b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info()
+
+
 def _amx_unchecked() -> str | None:
     """Why this llama.cpp build's AMX kernels must not run any model, or None: known before a model is loaded."""
-    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info() or llama_cpp.__version__ == _AMX_CHECKED_VERSION:
+    if not _amx_in_build() or llama_cpp.__version__ == _AMX_CHECKED_VERSION:
         return None
     return (
         f"llama.cpp's AMX kernels are checked only in llama-cpp-python {_AMX_CHECKED_VERSION}, not "
@@ -64,7 +69,7 @@ def _amx_unchecked() -> str | None:
 
 def _amx_miscomputes(llm: llama_cpp.Llama) -> str | None:
     """Why the checked build's AMX kernels must not run this loaded model's weights, or None."""
-    if b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+    if not _amx_in_build():
         return None
     try:
         file_type = int(llm.metadata.get("general.file_type", -1))
