@@ -116,12 +116,14 @@ def _drafts(chains: Sequence[tuple[int, RowDraw]], starts: Sequence[int], num_lo
     positions = np.fromiter(
         itertools.chain.from_iterable(row.positions[: len(row.draft_token_ids)] for _, row in chains), np.int64, total
     )
-    q_of_tokens = np.fromiter(map(SparseDist.prob_of, dists, tokens.tolist()), np.float64, total)
     sizes = np.fromiter((len(d.token_ids) for d in dists), np.int64, total)
     num_q = int(sizes.sum())
     q_ids = np.fromiter(itertools.chain.from_iterable(d.token_ids for d in dists), np.int64, num_q)
     sums = np.repeat(np.fromiter((sum(d.probs) for d in dists), np.float64, total), sizes)
     q_probs = np.fromiter(itertools.chain.from_iterable(d.probs for d in dists), np.float64, num_q) / sums
+    # q(token) of each draft, read off its own q (0 where q lacks it; a q is never empty, and holds a token once).
+    at_token = np.where(q_ids == np.repeat(tokens, sizes), q_probs, 0.0)
+    q_of_tokens = np.add.reduceat(at_token, np.cumsum(sizes) - sizes)
     # Spread over the step's logit rows: a row without a draft has none, and an empty q.
     token_ids = np.full(num_logits, race_kernel.NO_TOKEN, np.int64)
     thresholds, row_sizes = np.zeros(num_logits), np.zeros(num_logits, np.int64)
