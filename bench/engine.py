@@ -572,7 +572,9 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
     peak_product = _peak_product(limits["gemm"], DTYPES[config.dtype])
     text_ids = _text_ids(resolved)
     for path in config.matmul:
-        paths[path], logits, args = time_path(resolved, path, config, steps, peak_product, say, text_ids)
+        # The host draws take the first path's logits: the text's forward runs on that path only.
+        text = text_ids if samples is None else None
+        paths[path], logits, args = time_path(resolved, path, config, steps, peak_product, say, text)
         samples = logits if samples is None else samples
         del logits
         gc.collect()  # the previous path's weights go before the next path loads its own
