@@ -15,10 +15,16 @@
   one long sequence of num_slots * max_len keys (a view, no copy), and a block mask
   built once per step lets each query see only its own slot's cached keys and
   whatever of its row's new tokens its chain or tree allows. Blocks outside a row's
-  slot are skipped, and the rows need no loop. But every query of a 128-query block
-  computes every block any of its rows needs: a step of R short rows does R rows'
-  work for each of them (on an H200, 8 x 1 replays in 2.1x the time of 1 x 5 in
-  bfloat16, 4.2x in float32; bench/results/2026-11-26-h200-cuda.md).
+  slot are skipped, and the rows need no loop. Two layouts of the queries:
+  - grouped (every step whose rows hold at most GROUPED_MAX_ROW new tokens): each
+    row's tokens in groups of GROUP_QUERIES, one group per batch entry, so a group
+    visits its own slot's blocks alone;
+  - packed (a step with a longer prefill chunk): all queries in one sequence, whose
+    128-query blocks read each key once for many queries, but also visit every
+    block any row in them needs.
+  On an H200, per layer of the 1.5B at 200 cached keys, grouped against packed:
+  8 x 1 0.014 against 0.162 ms in bfloat16, 0.72 against 5.9 in float32
+  (bench/results/2026-11-27-h200-cuda.md).
   Compiled on CUDA; elsewhere FlexAttention runs its eager reference, which
   materialises every score (correct, slow: for checking the layout on a CPU).
 - `auto`: `flex` on CUDA; `numba` for float32 on a CPU where it compiles; else `rows`.
@@ -136,11 +142,74 @@ def compiled_rows(
     )
 
 
+FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys
+# The grouped layout's queries per batch entry. Each group holds at most this many of one row's new tokens,
+# so a group visits its own slot's key blocks alone. Sixteen keeps a decoding kernel's tile (16 queries times
+# the query heads of a KV head) full enough, and on an H200 a group of 1, 8 or 16 queries cost the same.
+GROUP_QUERIES = 16
+# A step holding a row of more new tokens takes the packed layout, where a 128-query block reads each key
+# once for all its queries; split into groups, a long prefill chunk would read its prefix once per group.
+GROUPED_MAX_ROW = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryGroups:
+    """The grouped layout's queries: each row's new tokens in groups of at most GROUP_QUERIES, one group per
+    batch entry of the attention call; a group never mixes rows.
+
+        rows A (3 new), B (1 new), C (18 new): tokens a0..a2 b0 c0..c17 (N = 22), GROUP_QUERIES 16
+        tokens [4, 16]: [a0 a1 a2 a2 .. a2], [b0 b0 .. b0], [c0 .. c15], [c16 c17 c17 .. c17]
+        places [22]:    a_i -> 0 * 16 + i, b0 -> 16, c_i -> 32 + i (c16, c17 -> 48, 49)
+
+    A group is padded with copies of its last token: they see what it sees, so the block lists are unchanged,
+    and their outputs are never read. CUDA graphs hold more groups than a step uses; those are not `used` and
+    visit no key block."""
+
+    tokens: torch.Tensor  # [G, GROUP_QUERIES] long: each query's packed token
+    used: torch.Tensor  # [G] bool
+    places: torch.Tensor  # [N] long: each packed token's query in the flattened [G * GROUP_QUERIES]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tokens, self.used, self.places
+
+    def to(self, device: torch.device) -> QueryGroups:
+        return QueryGroups(*(t.to(device, non_blocking=True) for t in self.tensors()))
+
+
+def query_groups(cu_num_tokens: Sequence[int], num_groups: int | None = None) -> QueryGroups | None:
+    """The step's query groups on the host, or None where a row is too long for them (the packed layout).
+
+    num_groups: the groups to hold (CUDA graphs' static count; one per token covers any step); default as
+    many as the step needs."""
+    bounds = np.asarray(cu_num_tokens, np.int64)
+    lengths = np.diff(bounds)
+    if len(lengths) and lengths.max() > GROUPED_MAX_ROW:
+        return None
+    per_row = -(-lengths // GROUP_QUERIES)
+    row_of = np.repeat(np.arange(len(lengths)), per_row)  # [G] each group's row
+    nth = np.arange(len(row_of)) - np.repeat(np.cumsum(per_row) - per_row, per_row)  # [G] which of its row's groups
+    starts = bounds[:-1][row_of] + nth * GROUP_QUERIES
+    ends = np.minimum(starts + GROUP_QUERIES, bounds[1:][row_of])
+    num_groups = len(starts) if num_groups is None else num_groups
+    if len(starts) > num_groups:
+        raise ValueError(f"a step of {len(starts)} query groups does not fit {num_groups}")
+    tokens = np.zeros((num_groups, GROUP_QUERIES), np.int64)
+    tokens[: len(starts)] = np.minimum(starts[:, None] + np.arange(GROUP_QUERIES), ends[:, None] - 1)
+    used = np.arange(num_groups) < len(starts)
+    group_of = np.repeat(np.arange(len(starts)), ends - starts)
+    places = group_of * GROUP_QUERIES + np.arange(int(cu_num_tokens[-1])) - starts[group_of]
+    return QueryGroups(torch.from_numpy(tokens), torch.from_numpy(used), torch.from_numpy(places))
+
+
 @dataclasses.dataclass(frozen=True)
 class FlexLayout:
-    """One step's block mask over the KV cache seen as [num_slots * max_len] keys; shared by every layer."""
+    """One step's block mask over the KV cache seen as [num_slots * max_len] keys; shared by every layer.
+
+    groups: the grouped layout's queries (each group a batch entry); None: the packed layout, every query of
+    the step in one sequence."""
 
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
+    groups: QueryGroups | None = None
 
 
 def flex_layout(
@@ -149,6 +218,7 @@ def flex_layout(
     kv_positions: torch.Tensor,  # [N] each query token's own KV position
     row_bases: torch.Tensor,  # [N] its row's first new position (the row's cached length)
     tree_table: torch.Tensor | None,  # [N, W] bool: new token j of its row visible; None: every row a chain
+    groups: QueryGroups | None,  # on the tokens' device; None: the packed layout
     num_slots: int,
     max_len: int,
 ) -> FlexLayout:
@@ -159,20 +229,17 @@ def flex_layout(
         if tree_table is not None
         else torch.zeros(kv_slots.shape[0], 1, dtype=torch.bool, device=kv_slots.device)
     )
-    return FlexLayout(
-        flex_block_mask(
-            kv_slots=kv_slots,
-            kv_positions=kv_positions,
-            row_bases=row_bases,
-            is_tree=is_tree,
-            tree_table=table,
-            num_slots=num_slots,
-            max_len=max_len,
-        )
+    mask = flex_block_mask(
+        kv_slots=kv_slots,
+        kv_positions=kv_positions,
+        row_bases=row_bases,
+        is_tree=is_tree,
+        tree_table=table,
+        groups=groups,
+        num_slots=num_slots,
+        max_len=max_len,
     )
-
-
-FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys
+    return FlexLayout(mask, groups)
 
 
 def flex_block_mask(
@@ -182,18 +249,24 @@ def flex_block_mask(
     row_bases: torch.Tensor,  # [N]
     is_tree: torch.Tensor,  # [N] bool: the query's row is a tree (tree_table applies), else a chain
     tree_table: torch.Tensor,  # [N, W] bool
+    groups: QueryGroups | None,
     num_slots: int,
     max_len: int,
 ):  # -> torch.nn.attention.flex_attention.BlockMask
-    """Query i sees key (slot, pos) when slot is its own and pos is cached, or pos is one of its row's new
-    tokens that its chain (pos <= its own) or tree (tree_table) lets it see.
+    """Query token t sees key (slot, pos) when slot is its own and pos is cached, or pos is one of its row's
+    new tokens that its chain (pos <= its own) or tree (tree_table) lets it see.
 
     Which key blocks a query block visits comes from the layout, not from evaluating the mask: every key a
     query sees lies in its own slot at or before its own position, one range of blocks per query. So the
-    mask costs [N, key blocks] comparisons, where create_block_mask evaluates [N, num_slots * max_len] scores
-    and compiles anew for each query-block count. A block that every query of its query block sees whole (a
+    mask costs [query blocks, key blocks] comparisons, where create_block_mask evaluates every score and
+    compiles anew for each query-block count. A block that every query of its query block sees whole (a
     chain's keys up to its own position, a tree's cached keys) is full: the kernel skips the mask there. The
     others it visits are partial: the mask below decides each score in them.
+
+    - grouped: batch entry b is group b, its queries q_idx the group's tokens; a group's queries share a
+      slot, so its blocks are one range from the slot's first key to its last query's position.
+    - packed: one batch entry, query q_idx is token q_idx; a 128-query block may hold several rows, and
+      visits every block any of them needs.
 
     The mask reads the tensors passed here whenever a kernel evaluates it, so a caller that refills them in
     place (server/cuda_graphs.py) gets a mask for the new step from the same closure."""
@@ -201,41 +274,68 @@ def flex_block_mask(
 
     width = tree_table.shape[1]
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def sees(t, kv_idx):  # query token t, key kv_idx
         slot, pos = kv_idx // max_len, kv_idx % max_len
-        base = row_bases[q_idx]
+        base = row_bases[t]
         rel = pos - base
-        in_tree = tree_table[q_idx, rel.clamp(0, width - 1)] & (rel < width)
-        new_ok = torch.where(is_tree[q_idx], in_tree, pos <= kv_positions[q_idx])
-        return (slot == kv_slots[q_idx]) & ((pos < base) | ((rel >= 0) & new_ok))
+        in_tree = tree_table[t, rel.clamp(0, width - 1)] & (rel < width)
+        new_ok = torch.where(is_tree[t], in_tree, pos <= kv_positions[t])
+        return (slot == kv_slots[t]) & ((pos < base) | ((rel >= 0) & new_ok))
 
-    num_tokens, num_keys = kv_slots.shape[0], num_slots * max_len
-    num_q_blocks, num_kv_blocks = -(-num_tokens // FLEX_BLOCK), -(-num_keys // FLEX_BLOCK)
+    num_keys = num_slots * max_len
+    num_kv_blocks = -(-num_keys // FLEX_BLOCK)
     first = kv_slots * max_len  # [N] the query's first key, and its last: its own position
     last = first + kv_positions
     whole_to = torch.where(is_tree, first + row_bases - 1, last)  # [N] it sees every key from first to here
     starts = torch.arange(num_kv_blocks, device=kv_slots.device) * FLEX_BLOCK  # [KB] each block's first key
-    # Rows past the last query visit nothing, and keep their block from being full, as create_block_mask's do.
-    padding = num_q_blocks * FLEX_BLOCK - num_tokens
 
-    def by_query_block(per_query: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [QB, FLEX_BLOCK, KB]
-        return torch.nn.functional.pad(per_query, (0, 0, 0, padding)).view(num_q_blocks, FLEX_BLOCK, num_kv_blocks)
+    if groups is not None:
+        tokens = groups.tokens
 
-    visits = by_query_block((starts + FLEX_BLOCK > first[:, None]) & (starts <= last[:, None])).any(dim=1)
-    full = by_query_block((starts >= first[:, None]) & (starts + FLEX_BLOCK - 1 <= whole_to[:, None])).all(dim=1)
+        def mask_mod(b, h, q_idx, kv_idx):
+            return sees(tokens[b, q_idx], kv_idx)
+
+        group_first = first[tokens[:, 0], None]  # [G, 1]
+        # [G, 1, KB]: one query block per group; an unused group visits nothing
+        visits = (starts + FLEX_BLOCK > group_first) & (starts <= last[tokens].amax(dim=1, keepdim=True))
+        visits = (visits & groups.used[:, None])[:, None]
+        full = ((starts >= group_first) & (starts + FLEX_BLOCK - 1 <= whole_to[tokens].amin(dim=1, keepdim=True)))[
+            :, None
+        ]
+        seq_lengths = (GROUP_QUERIES, num_keys)
+    else:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return sees(q_idx, kv_idx)
+
+        num_tokens = kv_slots.shape[0]
+        num_q_blocks = -(-num_tokens // FLEX_BLOCK)
+        # Rows past the last query visit nothing, and keep their block from being full, as create_block_mask's do.
+        padding = num_q_blocks * FLEX_BLOCK - num_tokens
+
+        def by_query_block(per_query: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [QB, FLEX_BLOCK, KB]
+            return torch.nn.functional.pad(per_query, (0, 0, 0, padding)).view(num_q_blocks, FLEX_BLOCK, num_kv_blocks)
+
+        # [1, QB, KB]
+        visits = by_query_block((starts + FLEX_BLOCK > first[:, None]) & (starts <= last[:, None])).any(dim=1)[None]
+        full = by_query_block((starts >= first[:, None]) & (starts + FLEX_BLOCK - 1 <= whole_to[:, None])).all(dim=1)[
+            None
+        ]
+        seq_lengths = (num_tokens, num_keys)
+    full = visits & full
     partial = visits & ~full
 
     def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[QB, KB] bool -> each query block's count of listed key blocks, and their indices first."""
-        counts = blocks.sum(dim=-1, dtype=torch.int32)[None, None]
-        return counts, torch.argsort(~blocks, dim=-1, stable=True).to(torch.int32)[None, None]
+        """[B, QB, KB] bool -> each query block's count of listed key blocks, and their indices first."""
+        counts = blocks.sum(dim=-1, dtype=torch.int32)[:, None]
+        return counts, torch.argsort(~blocks, dim=-1, stable=True).to(torch.int32)[:, None]
 
     return BlockMask.from_kv_blocks(
         *ordered(partial),
         *ordered(full),
         BLOCK_SIZE=FLEX_BLOCK,
         mask_mod=mask_mod,
-        seq_lengths=(num_tokens, num_keys),
+        seq_lengths=seq_lengths,
     )
 
 
@@ -248,8 +348,13 @@ def flex_attention(
     num_slots, max_len, num_kv_heads, head_dim = k_cache.shape
     keys = k_cache.view(num_slots * max_len, num_kv_heads, head_dim).transpose(0, 1)[None]  # [1, KVH, S*L, D]
     values = v_cache.view(num_slots * max_len, num_kv_heads, head_dim).transpose(0, 1)[None]
-    out = _flex(q.device.type)(q.transpose(0, 1)[None], keys, values, layout.block_mask)
-    return out[0].transpose(0, 1)
+    flex = _flex(q.device.type)
+    if layout.groups is None:
+        return flex(q.transpose(0, 1)[None], keys, values, layout.block_mask)[0].transpose(0, 1)
+    # [G, H, GROUP_QUERIES, D]: every group a batch entry; the keys are one batch entry, which all share
+    grouped = q[layout.groups.tokens].transpose(1, 2)
+    out = flex(grouped, keys, values, layout.block_mask).transpose(1, 2)  # [G, GROUP_QUERIES, H, D]
+    return out.reshape(-1, *q.shape[1:])[layout.groups.places]
 
 
 # Compiled versions of flex attention a CUDA process may hold. Inductor's kernels specialize on the query-block

@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from specedge.server import tree
-from specedge.server.attention import FlexLayout, flex_block_mask
+from specedge.server.attention import (
+    GROUP_QUERIES,
+    GROUPED_MAX_ROW,
+    FlexLayout,
+    QueryGroups,
+    flex_block_mask,
+    query_groups,
+)
 from specedge.server.model import CausalLM, StepBatch
 from specedge.server.runner import ForwardRequest, KVCache, KVMove, ModelRunner, PackedRows
 
@@ -89,6 +96,7 @@ class _Bucket:
     tokens: int
     meta: torch.Tensor  # [6, tokens] long: token ids, positions, KV slots, KV positions, logit indices, row bases
     flags: torch.Tensor  # [tokens, 1 + tokens] bool: is the token's row a tree, then its tree_table row
+    groups: QueryGroups  # a group per token: any step of `tokens` fits
     batch: StepBatch
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # the captured forward's output, overwritten by every replay
@@ -106,9 +114,11 @@ class GraphedRunner:
             raise ValueError("CUDA graphs need flex attention: the row loop's shapes change with every row")
         self.inner = inner
         self.scratch_slot = inner.kv.num_slots - 1
-        self.buckets = tuple(sorted(b for b in set(buckets) if 0 < b <= inner.kv.max_len))
+        # A bucket's steps take flex attention's grouped layout, whose rows hold at most GROUPED_MAX_ROW tokens.
+        largest = min(inner.kv.max_len, GROUPED_MAX_ROW)
+        self.buckets = tuple(sorted(b for b in set(buckets) if 0 < b <= largest))
         if not self.buckets:
-            raise ValueError(f"no bucket in {tuple(buckets)} fits a slot of {inner.kv.max_len} tokens")
+            raise ValueError(f"no bucket in {tuple(buckets)} is at most {largest} tokens")
         self._captured: dict[int, _Bucket] = {}
         self._pool: _POOL_HANDLE | None = None  # one memory pool shared by every graph (largest first)
 
@@ -156,15 +166,12 @@ class GraphedRunner:
         device, kv = self.device, self.kv
         meta = torch.zeros(6, bucket, dtype=torch.long, device=device)
         flags = torch.zeros(bucket, 1 + bucket, dtype=torch.bool, device=device)
-        mask = flex_block_mask(
-            kv_slots=meta[2],
-            kv_positions=meta[3],
-            row_bases=meta[5],
-            is_tree=flags[:, 0],
-            tree_table=flags[:, 1:],
-            num_slots=kv.num_slots,
-            max_len=kv.max_len,
+        groups = QueryGroups(
+            torch.zeros(bucket, GROUP_QUERIES, dtype=torch.long, device=device),
+            torch.zeros(bucket, dtype=torch.bool, device=device),
+            torch.zeros(bucket, dtype=torch.long, device=device),
         )
+        mask = self._block_mask(meta, flags, groups)
         batch = StepBatch(
             token_ids=meta[0],
             positions=meta[1],
@@ -175,9 +182,9 @@ class GraphedRunner:
             slots=(),
             num_keys=(),
             row_masks=(),
-            flex=FlexLayout(mask),
+            flex=FlexLayout(mask, groups),
         )
-        state = _Bucket(bucket, meta, flags, batch)
+        state = _Bucket(bucket, meta, flags, groups, batch)
         self._fill(state, padded([], bucket, self.scratch_slot))  # a step of padding alone
         if device.type != "cuda":
             return state
@@ -217,20 +224,28 @@ class GraphedRunner:
                 num_new = len(r.token_ids)
                 flags[start : start + num_new, 0] = True
                 flags[start : start + num_new, 1 : 1 + num_new] = tree.ancestor_mask(r.tree_parents, num_new)
+        groups = query_groups(rows.cu_num_tokens, num_groups=state.tokens)
+        assert groups is not None, "a bucket's rows are never longer than the grouped layout takes"
         state.meta.copy_(host, non_blocking=True)
         state.flags.copy_(flags, non_blocking=True)
+        for static, fresh in zip(state.groups.tensors(), groups.tensors()):
+            static.copy_(fresh, non_blocking=True)
         assert state.batch.flex is not None
-        captured = state.batch.flex.block_mask
-        fresh = flex_block_mask(
-            kv_slots=state.meta[2],
-            kv_positions=state.meta[3],
-            row_bases=state.meta[5],
-            is_tree=state.flags[:, 0],
-            tree_table=state.flags[:, 1:],
+        captured, rebuilt = state.batch.flex.block_mask, self._block_mask(state.meta, state.flags, state.groups)
+        for name in BLOCK_MASK_TENSORS:
+            target, source = getattr(captured, name), getattr(rebuilt, name)
+            if target is not None and source is not None:
+                target.copy_(source)
+
+    def _block_mask(self, meta: torch.Tensor, flags: torch.Tensor, groups: QueryGroups):
+        """The block mask of a bucket's static tensors, reading them whenever a kernel evaluates it."""
+        return flex_block_mask(
+            kv_slots=meta[2],
+            kv_positions=meta[3],
+            row_bases=meta[5],
+            is_tree=flags[:, 0],
+            tree_table=flags[:, 1:],
+            groups=groups,
             num_slots=self.kv.num_slots,
             max_len=self.kv.max_len,
         )
-        for name in BLOCK_MASK_TENSORS:
-            target, source = getattr(captured, name), getattr(fresh, name)
-            if target is not None and source is not None:
-                target.copy_(source)

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from specedge.server import tree
-from specedge.server.attention import compiled_rows, flex_layout
+from specedge.server.attention import compiled_rows, flex_layout, query_groups
 from specedge.server.model import CausalLM, StepBatch
 
 
@@ -171,6 +171,7 @@ class ModelRunner:
                 kv_positions=on_device(rows.kv_positions),
                 row_bases=on_device(rows.row_bases),
                 tree_table=self._tree_table(requests, rows.num_tokens),
+                groups=None if (groups := query_groups(rows.cu_num_tokens)) is None else groups.to(self.device),
                 num_slots=self.kv.num_slots,
                 max_len=self.kv.max_len,
             )

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from specedge.registry import ResolvedModel
-from specedge.server.attention import FLEX_BLOCK, GENERAL_KERNEL, NUMBA_MAX_NEW, FlexCall
+from specedge.server import attention
+from specedge.server.attention import FLEX_BLOCK, GENERAL_KERNEL, GROUP_QUERIES, NUMBA_MAX_NEW, FlexCall, query_groups
 from specedge.server.loading import load_target
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 
@@ -114,12 +115,20 @@ def _on_path(model, attention: str, rows) -> tuple[list[torch.Tensor], ModelRunn
         model.attention = default
 
 
+@pytest.fixture(params=["grouped", "packed"])
+def flex_queries(request, monkeypatch):
+    """Flex attention's two layouts of the queries: grouped (any step of short rows) and packed (forced here)."""
+    if request.param == "packed":
+        monkeypatch.setattr(attention, "GROUPED_MAX_ROW", 0)
+    return request.param
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=session_rounds())
-def test_flex_attention_gives_every_row_what_the_row_loop_gives(model, rows):
+@given(rows=session_rounds(max_new=2 * GROUP_QUERIES + 4))  # rows of up to three query groups
+def test_flex_attention_gives_every_row_what_the_row_loop_gives(model, rows, flex_queries):
     """CUDA's path (one FlexAttention call, a block mask over every slot) against the CPU's row loop, on the same
-    random mixes of prefixes, chains, trees and chunks. On a CPU FlexAttention runs its eager reference, so this
-    checks the mask and layout; the compiled kernel's speed is for a GPU to measure."""
+    random mixes of prefixes, chains, trees and chunks, in both layouts. On a CPU FlexAttention runs its eager
+    reference, so this checks the mask and layout; the compiled kernel's speed is for a GPU to measure."""
     want, expected = _on_path(model, "rows", rows)
     got, flex = _on_path(model, "flex", rows)
     for logits, reference in zip(got, want):
@@ -131,17 +140,23 @@ def test_flex_attention_gives_every_row_what_the_row_loop_gives(model, rows):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=session_rounds(max_new=16, max_prefix=300, num_slots=MASK_SLOTS))
 @example(rows=[((1,) * 200, ForwardRequest(1, 200, (5, 6, 7, 8)))])  # keys 384..583: block 3 full, 4 partial
+# Three query groups of one row (the last ends past key block 1 when a slot is 384 keys), beside a short row.
+@example(rows=[((1,) * 90, ForwardRequest(0, 90, (5,) * 40)), ((1,) * 10, ForwardRequest(2, 10, (6, 7)))])
+@example(rows=[((1,) * 60, ForwardRequest(1, 60, (5,) * 20, tree_parents=(0, *range(0, 18))))])  # a tree in 2 groups
 @example(rows=[((1,) * 30, ForwardRequest(1, 30, (5,) * 12, tree_parents=(0,) * 11))])  # a tree
 @example(rows=[((1,), ForwardRequest(1, 1, tuple(range(300))))])  # a prefill chunk: 3 query blocks, in slot 1
 @example(rows=[((1,) * 150, ForwardRequest(2, 150, (5,) * 9, tree_parents=(0, 1, 1, 0, 4, 5, 5, 2)))])
 # A 256-node tree: node 1 a leaf beside node 2, whose chain fills query block 1, which never sees node 1.
 @example(rows=[((1,), ForwardRequest(0, 1, (5,) * 256, tree_parents=(0, 0, *range(2, 255))))])
 @pytest.mark.parametrize("max_len", [384, 320])
-def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows, max_len):
+def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows, max_len, flex_queries):
     """The block mask is built from the layout, not by evaluating the mask. A compiled kernel never looks at a
     block the mask leaves out (a CPU's reference does, so the test above cannot see this): every key a query
     sees must lie in a visited block, and a block listed as full (no mask applied) must be visible whole. For
-    chains the partial and full blocks are exactly create_block_mask's."""
+    chains the partial and full blocks are exactly create_block_mask's. Each group of the grouped layout is a
+    batch entry with blocks of its own, and its queries fill their block (the kernel masks the rest of the 128
+    rows by Q_LEN: on an H200 the grouped layout gave the packed one's outputs); the examples' long rows take
+    the packed layout in either case."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     default = model.attention
@@ -153,18 +168,48 @@ def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows, max_le
         model.attention = default
     assert flex is not None
     mask = flex.block_mask
-    num_tokens, num_keys = mask.seq_lengths
-    sees = mask.mask_mod(0, 0, torch.arange(num_tokens)[:, None], torch.arange(num_keys)[None])  # [N, keys]
+    num_queries, num_keys = mask.seq_lengths
+    num_batches = mask.kv_num_blocks.shape[0]
+    assert num_batches == (1 if flex.groups is None else len(flex.groups.tokens))
     block = FLEX_BLOCK
-    needed = {(int(q) // block, int(k) // block) for q, k in sees.nonzero()}
-    partial, full = _listed(mask.kv_num_blocks, mask.kv_indices), _listed(mask.full_kv_num_blocks, mask.full_kv_indices)
-    assert needed <= partial | full and not partial & full
-    for qb, kb in full:  # the kernel skips the mask in a full block: every score there must be visible
-        assert sees[qb * block : (qb + 1) * block, kb * block : (kb + 1) * block].all(), (qb, kb)
+    for b in range(num_batches):
+        sees = mask.mask_mod(b, 0, torch.arange(num_queries)[:, None], torch.arange(num_keys)[None])  # [Q, keys]
+        needed = {(int(q) // block, int(k) // block) for q, k in sees.nonzero()}
+        partial = _listed(mask.kv_num_blocks, mask.kv_indices, b)
+        full = _listed(mask.full_kv_num_blocks, mask.full_kv_indices, b)
+        assert needed <= partial | full and not partial & full
+        for qb, kb in full:  # the kernel skips the mask in a full block: every score there must be visible
+            assert sees[qb * block : (qb + 1) * block, kb * block : (kb + 1) * block].all(), (qb, kb)
     if all(r.tree_parents is None for _, r in rows):
-        reference = create_block_mask(mask.mask_mod, None, None, num_tokens, num_keys, device="cpu")
-        assert partial == _listed(reference.kv_num_blocks, reference.kv_indices)
-        assert full == _listed(reference.full_kv_num_blocks, reference.full_kv_indices)
+        # A group's GROUP_QUERIES queries are its whole query block: a block all of them see whole is full.
+        blocks = FLEX_BLOCK if flex.groups is None else (GROUP_QUERIES, FLEX_BLOCK)
+        reference = create_block_mask(
+            mask.mask_mod, num_batches, None, num_queries, num_keys, device="cpu", BLOCK_SIZE=blocks
+        )
+        for b in range(num_batches):
+            assert _listed(mask.kv_num_blocks, mask.kv_indices, b) == _listed(
+                reference.kv_num_blocks, reference.kv_indices, b
+            )
+            assert _listed(mask.full_kv_num_blocks, mask.full_kv_indices, b) == _listed(
+                reference.full_kv_num_blocks, reference.full_kv_indices, b
+            )
+
+
+def test_query_groups_hold_one_rows_tokens_each():
+    """Rows of 3, 1 and 18 tokens: four groups, each padded with its last token; places undo the grouping."""
+    groups = query_groups([0, 3, 4, 22])
+    assert groups is not None
+    tokens, q = groups.tokens.tolist(), GROUP_QUERIES
+    assert tokens[0] == [0, 1] + [2] * (q - 2) and tokens[1] == [3] * q
+    assert tokens[2] == list(range(4, 4 + q)) and tokens[3] == [20] + [21] * (q - 1)
+    assert groups.used.all()
+    flat = groups.tokens.view(-1)
+    assert torch.equal(flat[groups.places], torch.arange(22))  # each token finds itself
+    held = query_groups([0, 3, 4], num_groups=5)  # CUDA graphs' static count: the rest unused
+    assert held is not None and held.used.tolist() == [True, True, False, False, False]
+    assert query_groups([0, 2, 2 + attention.GROUPED_MAX_ROW + 1]) is None  # a long row: the packed layout
+    with pytest.raises(ValueError, match="3 query groups does not fit 2"):
+        query_groups([0, 1, 2, 3], num_groups=2)
 
 
 def test_flex_falls_back_to_the_general_kernel_once_the_decoding_kernel_cannot_be_built():
@@ -195,11 +240,11 @@ def test_flex_falls_back_to_the_general_kernel_once_the_decoding_kernel_cannot_b
         FlexCall(flex, can_fall_back=True)(empty, empty, empty, None)
 
 
-def _listed(counts: torch.Tensor | None, indices: torch.Tensor | None) -> set[tuple[int, int]]:
-    """(query block, key block) pairs a BlockMask lists."""
+def _listed(counts: torch.Tensor | None, indices: torch.Tensor | None, batch: int = 0) -> set[tuple[int, int]]:
+    """(query block, key block) pairs a BlockMask lists for one batch entry."""
     if counts is None or indices is None:
         return set()
-    return {(qb, int(kb)) for qb, count in enumerate(counts[0, 0].tolist()) for kb in indices[0, 0, qb, :count]}
+    return {(qb, int(kb)) for qb, count in enumerate(counts[batch, 0].tolist()) for kb in indices[batch, 0, qb, :count]}
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

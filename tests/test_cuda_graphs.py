@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 
 from specedge.registry import ResolvedModel
 from specedge.server.cuda_graphs import (
-    BLOCK_MASK_TENSORS,
     GraphedRunner,
     bucket_for,
     graphs_unavailable,
@@ -90,16 +89,28 @@ def test_padding_writes_only_to_the_scratch_slot(model):
 
 def test_each_step_refills_the_captured_block_mask(model):
     """A compiled kernel skips the blocks the captured mask's tensors leave out, so those must be the step's.
-    (On a CPU FlexAttention's reference evaluates the mask everywhere: only this test sees stale blocks.)"""
+    (On a CPU FlexAttention's reference evaluates the mask everywhere: only this test sees stale blocks.) The
+    bucket holds a query group per token; the step's groups are the first, and the others visit nothing."""
     runner = _graphed(model)
     step = [ForwardRequest(2, 25, (7, 8, 9, 10), tree_parents=(0, 0, 2)), ForwardRequest(4, 29, (11,))]
     runner.forward(step)
     captured = runner._captured[16].batch.flex
     want = runner.inner._layout(padded(step, 16, runner.scratch_slot)).flex
     assert captured is not None and want is not None
-    for name in BLOCK_MASK_TENSORS:
-        got, expected = getattr(captured.block_mask, name), getattr(want.block_mask, name)
-        assert (got is None and expected is None) or torch.equal(got, expected), name
+    assert captured.groups is not None and want.groups is not None
+    used = len(want.groups.tokens)  # two rows and the padding row: three groups
+    assert used == 3 and captured.groups.used.tolist() == [True] * used + [False] * (16 - used)
+    assert torch.equal(captured.groups.tokens[:used], want.groups.tokens)
+    assert torch.equal(captured.groups.places, want.groups.places)
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        got, expected = getattr(captured.block_mask, counts), getattr(want.block_mask, counts)
+        assert torch.equal(got[:used], expected) and not got[used:].any(), counts
+        for b in range(used):
+            count = int(expected[b, 0, 0])
+            assert torch.equal(
+                getattr(captured.block_mask, indices)[b, 0, 0, :count],
+                getattr(want.block_mask, indices)[b, 0, 0, :count],
+            ), (indices, b)
     assert int(captured.block_mask.kv_num_blocks.sum()) > 0
 
 
