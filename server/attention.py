@@ -161,22 +161,41 @@ class QueryGroups:
         tokens [4, 16]: [a0 a1 a2 a2 .. a2], [b0 b0 .. b0], [c0 .. c15], [c16 c17 c17 .. c17]
         places [22]:    a_i -> 0 * 16 + i, b0 -> 16, c_i -> 32 + i (c16, c17 -> 48, 49)
 
-    A group is padded with copies of its last token: they see what it sees, so the block lists are unchanged,
-    and their outputs are never read. CUDA graphs hold more groups than a step uses; those are not `used` and
-    visit no key block."""
+    A group is padded with copies of its last token: they see what it sees, and their outputs are never read.
+    Its queries share a slot, so the keys it may see are one range, computed on the host with the rest: the
+    block lists need no per-query work on the device. CUDA graphs hold more groups than a step uses; the
+    others have an empty range and visit no key block.
 
-    tokens: torch.Tensor  # [G, GROUP_QUERIES] long: each query's packed token
-    used: torch.Tensor  # [G] bool
-    places: torch.Tensor  # [N] long: each packed token's query in the flattened [G * GROUP_QUERIES]
+    Everything is one host table, so a step copies it to the device in one transfer."""
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.tokens, self.used, self.places
+    table: torch.Tensor  # [max(G, N), GROUP_QUERIES + 4] long: see the properties
+    num_groups: int
+    num_tokens: int
+
+    @property
+    def tokens(self) -> torch.Tensor:  # [G, GROUP_QUERIES] each query's packed token
+        return self.table[: self.num_groups, :GROUP_QUERIES]
+
+    @property
+    def places(self) -> torch.Tensor:  # [N] each packed token's query in the flattened [G * GROUP_QUERIES]
+        return self.table[: self.num_tokens, GROUP_QUERIES]
+
+    @property
+    def keys(self) -> torch.Tensor:  # [G, 3] the group's first key, the last any query sees, the last all see whole
+        return self.table[: self.num_groups, GROUP_QUERIES + 1 :]
 
     def to(self, device: torch.device) -> QueryGroups:
-        return QueryGroups(*(t.to(device, non_blocking=True) for t in self.tensors()))
+        return QueryGroups(self.table.to(device, non_blocking=True), self.num_groups, self.num_tokens)
 
 
-def query_groups(cu_num_tokens: Sequence[int], num_groups: int | None = None) -> QueryGroups | None:
+def query_groups(
+    cu_num_tokens: Sequence[int],
+    slots: Sequence[int],
+    num_cached: Sequence[int],
+    trees: Sequence[bool],  # per row: its new tokens are a tree (each sees its ancestors), else a chain
+    max_len: int,
+    num_groups: int | None = None,
+) -> QueryGroups | None:
     """The step's query groups on the host, or None where a row is too long for them (the packed layout).
 
     num_groups: the groups to hold (CUDA graphs' static count; one per token covers any step); default as
@@ -188,17 +207,26 @@ def query_groups(cu_num_tokens: Sequence[int], num_groups: int | None = None) ->
     per_row = -(-lengths // GROUP_QUERIES)
     row_of = np.repeat(np.arange(len(lengths)), per_row)  # [G] each group's row
     nth = np.arange(len(row_of)) - np.repeat(np.cumsum(per_row) - per_row, per_row)  # [G] which of its row's groups
-    starts = bounds[:-1][row_of] + nth * GROUP_QUERIES
+    starts = bounds[:-1][row_of] + nth * GROUP_QUERIES  # [G] its first packed token, and past its last
     ends = np.minimum(starts + GROUP_QUERIES, bounds[1:][row_of])
-    num_groups = len(starts) if num_groups is None else num_groups
-    if len(starts) > num_groups:
-        raise ValueError(f"a step of {len(starts)} query groups does not fit {num_groups}")
-    tokens = np.zeros((num_groups, GROUP_QUERIES), np.int64)
-    tokens[: len(starts)] = np.minimum(starts[:, None] + np.arange(GROUP_QUERIES), ends[:, None] - 1)
-    used = np.arange(num_groups) < len(starts)
-    group_of = np.repeat(np.arange(len(starts)), ends - starts)
-    places = group_of * GROUP_QUERIES + np.arange(int(cu_num_tokens[-1])) - starts[group_of]
-    return QueryGroups(torch.from_numpy(tokens), torch.from_numpy(used), torch.from_numpy(places))
+    used = len(starts)
+    num_groups = used if num_groups is None else num_groups
+    if used > num_groups:
+        raise ValueError(f"a step of {used} query groups does not fit {num_groups}")
+    num_tokens = int(bounds[-1])
+    table = np.zeros((max(num_groups, num_tokens), GROUP_QUERIES + 4), np.int64)
+    table[:used, :GROUP_QUERIES] = np.minimum(starts[:, None] + np.arange(GROUP_QUERIES), ends[:, None] - 1)
+    group_of = np.repeat(np.arange(used), ends - starts)
+    table[:num_tokens, GROUP_QUERIES] = group_of * GROUP_QUERIES + np.arange(num_tokens) - starts[group_of]
+    # Keys as kv_idx = slot * max_len + position; a token's position is its row's cached length plus its index.
+    first = np.asarray(slots, np.int64)[row_of] * max_len
+    cached, offset = np.asarray(num_cached, np.int64)[row_of], starts - bounds[:-1][row_of]
+    table[:used, GROUP_QUERIES + 1] = first
+    table[:used, GROUP_QUERIES + 2] = first + cached + offset + (ends - starts) - 1  # its last query's own key
+    # A chain's first query sees its keys up to its own; a tree's queries see only the cache whole.
+    table[:used, GROUP_QUERIES + 3] = first + cached + np.where(np.asarray(trees, bool)[row_of], -1, offset)
+    table[used:num_groups, GROUP_QUERIES + 2 :] = -1  # an empty range: no key block
+    return QueryGroups(torch.from_numpy(table), num_groups, num_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,9 +312,6 @@ def flex_block_mask(
 
     num_keys = num_slots * max_len
     num_kv_blocks = -(-num_keys // FLEX_BLOCK)
-    first = kv_slots * max_len  # [N] the query's first key, and its last: its own position
-    last = first + kv_positions
-    whole_to = torch.where(is_tree, first + row_bases - 1, last)  # [N] it sees every key from first to here
     starts = torch.arange(num_kv_blocks, device=kv_slots.device) * FLEX_BLOCK  # [KB] each block's first key
 
     if groups is not None:
@@ -295,19 +320,19 @@ def flex_block_mask(
         def mask_mod(b, h, q_idx, kv_idx):
             return sees(tokens[b, q_idx], kv_idx)
 
-        group_first = first[tokens[:, 0], None]  # [G, 1]
-        # [G, 1, KB]: one query block per group; an unused group visits nothing
-        visits = (starts + FLEX_BLOCK > group_first) & (starts <= last[tokens].amax(dim=1, keepdim=True))
-        visits = (visits & groups.used[:, None])[:, None]
-        full = ((starts >= group_first) & (starts + FLEX_BLOCK - 1 <= whole_to[tokens].amin(dim=1, keepdim=True)))[
-            :, None
-        ]
+        # [G, 1, KB]: one query block per group, its key range from the host
+        first, last, whole_to = groups.keys[:, :, None].unbind(1)  # each [G, 1]
+        visits = ((starts + FLEX_BLOCK > first) & (starts <= last))[:, None]
+        full = ((starts >= first) & (starts + FLEX_BLOCK - 1 <= whole_to))[:, None]
         seq_lengths = (GROUP_QUERIES, num_keys)
     else:
 
         def mask_mod(b, h, q_idx, kv_idx):
             return sees(q_idx, kv_idx)
 
+        first = kv_slots * max_len  # [N] the query's first key, and its last: its own position
+        last = first + kv_positions
+        whole_to = torch.where(is_tree, first + row_bases - 1, last)  # [N] it sees every key from first to here
         num_tokens = kv_slots.shape[0]
         num_q_blocks = -(-num_tokens // FLEX_BLOCK)
         # Rows past the last query visit nothing, and keep their block from being full, as create_block_mask's do.

@@ -41,10 +41,9 @@ from specedge.server.attention import (
     FlexLayout,
     QueryGroups,
     flex_block_mask,
-    query_groups,
 )
 from specedge.server.model import CausalLM, StepBatch
-from specedge.server.runner import ForwardRequest, KVCache, KVMove, ModelRunner, PackedRows
+from specedge.server.runner import ForwardRequest, KVCache, KVMove, ModelRunner, PackedRows, grouped_queries
 
 if TYPE_CHECKING:
     from torch.cuda.graphs import _POOL_HANDLE
@@ -166,11 +165,7 @@ class GraphedRunner:
         device, kv = self.device, self.kv
         meta = torch.zeros(6, bucket, dtype=torch.long, device=device)
         flags = torch.zeros(bucket, 1 + bucket, dtype=torch.bool, device=device)
-        groups = QueryGroups(
-            torch.zeros(bucket, GROUP_QUERIES, dtype=torch.long, device=device),
-            torch.zeros(bucket, dtype=torch.bool, device=device),
-            torch.zeros(bucket, dtype=torch.long, device=device),
-        )
+        groups = QueryGroups(torch.zeros(bucket, GROUP_QUERIES + 4, dtype=torch.long, device=device), bucket, bucket)
         mask = self._block_mask(meta, flags, groups)
         batch = StepBatch(
             token_ids=meta[0],
@@ -224,12 +219,11 @@ class GraphedRunner:
                 num_new = len(r.token_ids)
                 flags[start : start + num_new, 0] = True
                 flags[start : start + num_new, 1 : 1 + num_new] = tree.ancestor_mask(r.tree_parents, num_new)
-        groups = query_groups(rows.cu_num_tokens, num_groups=state.tokens)
+        groups = grouped_queries(requests, rows, self.kv.max_len, num_groups=state.tokens)
         assert groups is not None, "a bucket's rows are never longer than the grouped layout takes"
         state.meta.copy_(host, non_blocking=True)
         state.flags.copy_(flags, non_blocking=True)
-        for static, fresh in zip(state.groups.tensors(), groups.tensors()):
-            static.copy_(fresh, non_blocking=True)
+        state.groups.table.copy_(groups.table, non_blocking=True)
         assert state.batch.flex is not None
         captured, rebuilt = state.batch.flex.block_mask, self._block_mask(state.meta, state.flags, state.groups)
         for name in BLOCK_MASK_TENSORS:

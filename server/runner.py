@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from specedge.server import tree
-from specedge.server.attention import compiled_rows, flex_layout, query_groups
+from specedge.server.attention import QueryGroups, compiled_rows, flex_layout, query_groups
 from specedge.server.model import CausalLM, StepBatch
 
 
@@ -81,6 +81,21 @@ class PackedRows:
             rows.logit_indices.extend(range(offset, offset + num_new) if r.all_logits else [offset + num_new - 1])
             rows.cu_num_tokens.append(offset + num_new)
         return rows
+
+
+def grouped_queries(
+    requests: Sequence[ForwardRequest], rows: PackedRows, max_len: int, num_groups: int | None = None
+) -> QueryGroups | None:
+    """Flex attention's query groups for a step's rows (attention.QueryGroups), on the host; None where a row
+    is too long for them."""
+    return query_groups(
+        rows.cu_num_tokens,
+        [r.slot for r in requests],
+        [r.num_cached for r in requests],
+        [r.tree_parents is not None for r in requests],
+        max_len,
+        num_groups,
+    )
 
 
 class KVCache:
@@ -166,12 +181,15 @@ class ModelRunner:
         row_masks: list[torch.Tensor | None] = [None] * len(requests)
         flex = None
         if self.model.attention == "flex":
+            groups = grouped_queries(requests, rows, self.kv.max_len)
             flex = flex_layout(
                 kv_slots=on_device(rows.kv_slots),
                 kv_positions=on_device(rows.kv_positions),
                 row_bases=on_device(rows.row_bases),
                 tree_table=self._tree_table(requests, rows.num_tokens),
-                groups=None if (groups := query_groups(rows.cu_num_tokens)) is None else groups.to(self.device),
+                groups=None
+                if (groups := grouped_queries(requests, rows, self.kv.max_len)) is None
+                else groups.to(self.device),
                 num_slots=self.kv.num_slots,
                 max_len=self.kv.max_len,
             )

@@ -138,11 +138,14 @@ def test_flex_attention_gives_every_row_what_the_row_loop_gives(model, rows, fle
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=session_rounds(max_new=16, max_prefix=300, num_slots=MASK_SLOTS))
+@given(rows=session_rounds(max_new=2 * GROUP_QUERIES + 4, max_prefix=300, num_slots=MASK_SLOTS))
 @example(rows=[((1,) * 200, ForwardRequest(1, 200, (5, 6, 7, 8)))])  # keys 384..583: block 3 full, 4 partial
 # Three query groups of one row (the last ends past key block 1 when a slot is 384 keys), beside a short row.
 @example(rows=[((1,) * 90, ForwardRequest(0, 90, (5,) * 40)), ((1,) * 10, ForwardRequest(2, 10, (6, 7)))])
-@example(rows=[((1,) * 60, ForwardRequest(1, 60, (5,) * 20, tree_parents=(0, *range(0, 18))))])  # a tree in 2 groups
+# Grouped: a 20-node tree whose second group's nodes do not see node 1, in key block 0; a chain whose last
+# query's own key opens key block 1.
+@example(rows=[((1,) * 120, ForwardRequest(0, 120, (5,) * 20, tree_parents=(0, *range(0, 18))))])
+@example(rows=[((1,) * 100, ForwardRequest(0, 100, (5,) * 29))])
 @example(rows=[((1,) * 30, ForwardRequest(1, 30, (5,) * 12, tree_parents=(0,) * 11))])  # a tree
 @example(rows=[((1,), ForwardRequest(1, 1, tuple(range(300))))])  # a prefill chunk: 3 query blocks, in slot 1
 @example(rows=[((1,) * 150, ForwardRequest(2, 150, (5,) * 9, tree_parents=(0, 1, 1, 0, 4, 5, 5, 2)))])
@@ -196,20 +199,27 @@ def test_the_flex_block_mask_visits_every_block_a_query_sees(model, rows, max_le
 
 
 def test_query_groups_hold_one_rows_tokens_each():
-    """Rows of 3, 1 and 18 tokens: four groups, each padded with its last token; places undo the grouping."""
-    groups = query_groups([0, 3, 4, 22])
+    """Rows of 3, 1 and 18 tokens: four groups, each padded with its last token; places undo the grouping; each
+    group's keys are one range in its own slot (kv_idx = slot * max_len + position)."""
+    groups = query_groups([0, 3, 4, 22], slots=[2, 0, 1], num_cached=[7, 3, 5], trees=[False, False, True], max_len=100)
     assert groups is not None
     tokens, q = groups.tokens.tolist(), GROUP_QUERIES
     assert tokens[0] == [0, 1] + [2] * (q - 2) and tokens[1] == [3] * q
     assert tokens[2] == list(range(4, 4 + q)) and tokens[3] == [20] + [21] * (q - 1)
-    assert groups.used.all()
-    flat = groups.tokens.view(-1)
-    assert torch.equal(flat[groups.places], torch.arange(22))  # each token finds itself
-    held = query_groups([0, 3, 4], num_groups=5)  # CUDA graphs' static count: the rest unused
-    assert held is not None and held.used.tolist() == [True, True, False, False, False]
-    assert query_groups([0, 2, 2 + attention.GROUPED_MAX_ROW + 1]) is None  # a long row: the packed layout
+    assert torch.equal(groups.tokens.reshape(-1)[groups.places], torch.arange(22))  # each token finds itself
+    # first key, last key any query sees (its last query's own), last key every query sees whole
+    assert groups.keys.tolist() == [
+        [200, 209, 207],  # chain at 7 cached: its first query sees up to its own position, 207
+        [0, 3, 3],
+        [100, 120, 104],  # tree at 5 cached: every node sees the cache whole, its own branch only in part
+        [100, 122, 104],
+    ]
+    held = query_groups([0, 3, 4], slots=[0, 1], num_cached=[5, 5], trees=[False, False], max_len=100, num_groups=5)
+    assert held is not None and held.tokens.shape == (5, q)
+    assert [last for _, last, _ in held.keys.tolist()] == [7, 105, -1, -1, -1]  # unused groups see no key
+    assert query_groups([0, attention.GROUPED_MAX_ROW + 1], [0], [0], [False], max_len=1000) is None  # packed
     with pytest.raises(ValueError, match="3 query groups does not fit 2"):
-        query_groups([0, 1, 2, 3], num_groups=2)
+        query_groups([0, 1, 2, 3], [0, 1, 2], [0, 0, 0], [False] * 3, max_len=100, num_groups=2)
 
 
 def test_flex_falls_back_to_the_general_kernel_once_the_decoding_kernel_cannot_be_built():
