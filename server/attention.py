@@ -23,7 +23,7 @@
     128-query blocks read each key once for many queries, but also visit every
     block any row in them needs.
   On an H200, per layer of the 1.5B at 200 cached keys, grouped against packed:
-  8 x 1 0.014 against 0.162 ms in bfloat16, 0.72 against 5.9 in float32
+  8 x 1 0.016 against 0.162 ms in bfloat16, 0.84 against 5.9 in float32
   (bench/results/2026-11-27-h200-cuda.md).
   Compiled on CUDA; elsewhere FlexAttention runs its eager reference, which
   materialises every score (correct, slow: for checking the layout on a CPU).
