@@ -39,8 +39,7 @@ def acceptance_uniform(seed: int, position: int) -> float:
 
 def acceptance_uniforms(seed_keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """[N] float64 acceptance_uniform at many positions at once (seed_keys: each seed's noise.seed_key), bit for bit."""
-    keys = noise.position_key(seed_keys, positions, noise.ACCEPT_STREAM)
-    return (noise.token_bits(keys, np.zeros_like(keys)) + 0.5) / 2**32
+    return noise.key_uniform(noise.position_key(seed_keys, positions, noise.ACCEPT_STREAM))
 
 
 def accepts(token: int, dist: SparseDist, target_prob: float, seed: int, position: int) -> bool:

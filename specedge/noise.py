@@ -25,7 +25,7 @@ tokens that cannot win (server/sampling.py).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, overload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -86,7 +86,16 @@ def token_hash(token_ids: Ints) -> Ints:
 
 def uniform(seed: int, position: int, stream: int) -> float:
     """U(0, 1) for one position of a stream, from all 32 bits (a Python float: exact in float64)."""
-    return (token_bits(row_key(seed, position, stream), 0) + 0.5) / 2**32
+    return key_uniform(row_key(seed, position, stream))
+
+
+@overload
+def key_uniform(key: int) -> float: ...
+@overload
+def key_uniform(key: np.ndarray) -> np.ndarray: ...
+def key_uniform(key):
+    """`uniform` from a position's key (row_key, or position_key over arrays): a float, or float64 per key."""
+    return (mix32(key ^ token_hash(0)) + 0.5) / 2**32
 
 
 def token_uniform(bits: Ints) -> Ints:
