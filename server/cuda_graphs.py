@@ -6,7 +6,8 @@ captures one CUDA graph per bucket of token counts and replays it:
 
     step of n tokens -> the smallest bucket b >= n
       tokens padded to b by one extra row on the scratch KV slot (no session owns it)
-      the step's layout copied into the bucket's static tensors, its block mask rebuilt from them
+      the step's layout and query groups (server/attention.py; a group per token at most) copied into the
+      bucket's static tensors, its block mask rebuilt from them
       graph b replayed; logits[:num_logits] are the step's, in request order
 
     requests  A (slot 2, 3 new)  B (slot 0, 1 new)      n = 4 -> bucket 8

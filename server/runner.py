@@ -187,9 +187,7 @@ class ModelRunner:
                 kv_positions=on_device(rows.kv_positions),
                 row_bases=on_device(rows.row_bases),
                 tree_table=self._tree_table(requests, rows.num_tokens),
-                groups=None
-                if (groups := grouped_queries(requests, rows, self.kv.max_len)) is None
-                else groups.to(self.device),
+                groups=None if groups is None else groups.to(self.device),
                 num_slots=self.kv.num_slots,
                 max_len=self.kv.max_len,
             )
