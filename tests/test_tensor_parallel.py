@@ -96,11 +96,13 @@ def test_step_messages_round_trip():
 # -- logits: --tp 2 against one process, on the same requests --------------------------------------
 
 
-@pytest.fixture(scope="module", params=["split-kv", "replicated-kv", "qwen3"])
+@pytest.fixture(scope="module", params=["split-kv", "replicated-kv", "qwen3", "split-kv-flex"])
 def runners(request, tmp_path_factory, tiny_target_dir):
     """(one process, rank 0 of two) over the same weights. "replicated-kv": 1 KV head, tied, vocab 387 (padded);
-    "qwen3": per-head q/k norms, held whole by every rank."""
-    if request.param == "split-kv":
+    "qwen3": per-head q/k norms, held whole by every rank; "split-kv-flex": the ranks take CUDA's attention path
+    (query groups of each rank's heads; FlexAttention's eager reference on a CPU), the one process the row loop."""
+    attention = "flex" if request.param.endswith("-flex") else "rows"
+    if request.param.startswith("split-kv"):
         model_dir = tiny_target_dir
     elif request.param == "qwen3":
         model_dir = request.getfixturevalue("tiny_qwen3_dir")
@@ -115,9 +117,10 @@ def runners(request, tmp_path_factory, tiny_target_dir):
         )
     whole = load_target(ResolvedModel("tiny", "hf", model_dir), device=CPU, dtype=torch.float32).model
     config = ParallelConfig(tp=2, collective_timeout_s=60, exit_on_failure=False)
-    group = RankGroup.launch(config, model_dir, device_type="cpu", dtype=torch.float32)
+    group = RankGroup.launch(config, model_dir, device_type="cpu", dtype=torch.float32, attention=attention)
     try:
         shard = load_shard(model_dir, 0, 2, group.collectives, device=CPU, dtype=torch.float32)
+        shard.attention = attention
         kv = KVCache(shard, num_slots=NUM_SLOTS, max_len=MAX_LEN, device=CPU, dtype=torch.float32)
         group.start_serving(NUM_SLOTS, MAX_LEN)
         whole_kv = KVCache(whole, num_slots=NUM_SLOTS, max_len=MAX_LEN, device=CPU, dtype=torch.float32)
