@@ -207,8 +207,8 @@ def query_groups(
     per_row = -(-lengths // GROUP_QUERIES)
     row_of = np.repeat(np.arange(len(lengths)), per_row)  # [G] each group's row
     nth = np.arange(len(row_of)) - np.repeat(np.cumsum(per_row) - per_row, per_row)  # [G] which of its row's groups
-    starts = bounds[:-1][row_of] + nth * GROUP_QUERIES  # [G] its first packed token, and past its last
-    ends = np.minimum(starts + GROUP_QUERIES, bounds[1:][row_of])
+    starts = bounds[:-1][row_of] + nth * GROUP_QUERIES  # [G] each group's first packed token
+    ends = np.minimum(starts + GROUP_QUERIES, bounds[1:][row_of])  # [G] one past its last
     used = len(starts)
     num_groups = used if num_groups is None else num_groups
     if used > num_groups:
