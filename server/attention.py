@@ -150,6 +150,7 @@ GROUP_QUERIES = 16
 # A step holding a row of more new tokens takes the packed layout, where a 128-query block reads each key
 # once for all its queries; split into groups, a long prefill chunk would read its prefix once per group.
 GROUPED_MAX_ROW = 128
+_GROUP_COLUMNS = GROUP_QUERIES + 4  # QueryGroups.table: a group's tokens, a token's place, the group's key range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +169,7 @@ class QueryGroups:
 
     Everything is one host table, so a step copies it to the device in one transfer."""
 
-    table: torch.Tensor  # [max(G, N), GROUP_QUERIES + 4] long: see the properties
+    table: torch.Tensor  # [max(G, N), _GROUP_COLUMNS] long: see the properties
     num_groups: int
     num_tokens: int
 
@@ -186,6 +187,11 @@ class QueryGroups:
 
     def to(self, device: torch.device) -> QueryGroups:
         return QueryGroups(self.table.to(device, non_blocking=True), self.num_groups, self.num_tokens)
+
+    @classmethod
+    def zeros(cls, num_groups: int, device: torch.device) -> QueryGroups:
+        """A table for steps of at most num_groups tokens (CUDA graphs' static one), to be filled in place."""
+        return cls(torch.zeros(num_groups, _GROUP_COLUMNS, dtype=torch.long, device=device), num_groups, num_groups)
 
 
 def query_groups(
@@ -214,7 +220,7 @@ def query_groups(
     if used > num_groups:
         raise ValueError(f"a step of {used} query groups does not fit {num_groups}")
     num_tokens = int(bounds[-1])
-    table = np.zeros((max(num_groups, num_tokens), GROUP_QUERIES + 4), np.int64)
+    table = np.zeros((max(num_groups, num_tokens), _GROUP_COLUMNS), np.int64)
     table[:used, :GROUP_QUERIES] = np.minimum(starts[:, None] + np.arange(GROUP_QUERIES), ends[:, None] - 1)
     group_of = np.repeat(np.arange(used), ends - starts)
     table[:num_tokens, GROUP_QUERIES] = group_of * GROUP_QUERIES + np.arange(num_tokens) - starts[group_of]

@@ -37,7 +37,6 @@ import torch
 
 from specedge.server import tree
 from specedge.server.attention import (
-    GROUP_QUERIES,
     GROUPED_MAX_ROW,
     FlexLayout,
     QueryGroups,
@@ -166,7 +165,7 @@ class GraphedRunner:
         device, kv = self.device, self.kv
         meta = torch.zeros(6, bucket, dtype=torch.long, device=device)
         flags = torch.zeros(bucket, 1 + bucket, dtype=torch.bool, device=device)
-        groups = QueryGroups(torch.zeros(bucket, GROUP_QUERIES + 4, dtype=torch.long, device=device), bucket, bucket)
+        groups = QueryGroups.zeros(bucket, device)
         mask = self._block_mask(meta, flags, groups)
         batch = StepBatch(
             token_ids=meta[0],
