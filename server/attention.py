@@ -353,7 +353,8 @@ def flex_block_mask(
             None
         ]
         seq_lengths = (num_tokens, num_keys)
-    full = visits & full
+    # A full block is visited: every query of its block sees it, from its first key on. (An unused group's
+    # range ends before key 0, and padding rows past the last query see nothing: neither has a full block.)
     partial = visits & ~full
 
     def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
