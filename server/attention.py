@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -148,8 +149,10 @@ FLEX_BLOCK = 128  # FlexAttention's block of queries and of keys
 # the query heads of a KV head) full enough, and on an H200 a group of 1, 8 or 16 queries cost the same.
 GROUP_QUERIES = 16
 # A step holding a row of more new tokens takes the packed layout, where a 128-query block reads each key
-# once for all its queries; split into groups, a long prefill chunk would read its prefix once per group.
-GROUPED_MAX_ROW = 128
+# once for all its queries; split into groups, a long prefill chunk reads its prefix once per group. 512 is
+# the scheduler's default max_batch_tokens and the largest CUDA graph bucket: every step of a default server
+# is grouped, and replayed where graphs run.
+GROUPED_MAX_ROW = 512
 _GROUP_COLUMNS = GROUP_QUERIES + 4  # QueryGroups.table: a group's tokens, a token's place, the group's key range
 
 
@@ -163,13 +166,16 @@ class QueryGroups:
         places [22]:    a_i -> 0 * 16 + i, b0 -> 16, c_i -> 32 + i (c16, c17 -> 48, 49)
 
     A group is padded with copies of its last token: they see what it sees, and their outputs are never read.
-    Its queries share a slot, so the keys it may see are one range, computed on the host with the rest: the
-    block lists need no per-query work on the device. CUDA graphs hold more groups than a step uses; the
-    others have an empty range and visit no key block.
+    Its queries share a slot, so the keys it may see are one range, computed on the host with the rest. So are
+    the key blocks it visits, in the lists FlexAttention's block mask takes: the device evaluates nothing to
+    build the mask. CUDA graphs hold more groups than a step uses; the others list no key block.
 
-    Everything is one host table, so a step copies it to the device in one transfer."""
+    The host's tables are small (a group lists at most a slot's blocks, plus one); on the device the block
+    lists are as wide as the mask's key blocks, and `refill` copies a step's tables into them in place."""
 
     table: torch.Tensor  # [max(G, N), _GROUP_COLUMNS] long: see the properties
+    block_counts: torch.Tensor  # [2, G] int32: each group's partial key blocks (visited, masked), then its full ones
+    block_indices: torch.Tensor  # [2, G, W] int32: those blocks ascending, then 0s, which no kernel reads
     num_groups: int
     num_tokens: int
 
@@ -185,13 +191,51 @@ class QueryGroups:
     def keys(self) -> torch.Tensor:  # [G, 3] the group's first key, the last any query sees, the last all see whole
         return self.table[: self.num_groups, GROUP_QUERIES + 1 :]
 
-    def to(self, device: torch.device) -> QueryGroups:
-        return QueryGroups(self.table.to(device, non_blocking=True), self.num_groups, self.num_tokens)
+    def to(self, device: torch.device, num_key_blocks: int) -> QueryGroups:
+        """On `device`, the block lists widened to the mask's num_key_blocks."""
+        indices = torch.zeros(2, self.num_groups, num_key_blocks, dtype=torch.int32, device=device)
+        _copy_lists(indices, self.block_indices)
+        return QueryGroups(
+            self.table.to(device, non_blocking=True),
+            self.block_counts.to(device, non_blocking=True),
+            indices,
+            self.num_groups,
+            self.num_tokens,
+        )
+
+    def refill(self, step: QueryGroups) -> None:
+        """Copy a step's host tables into these (of the same group count), in place: three transfers."""
+        self.table.copy_(step.table, non_blocking=True)
+        self.block_counts.copy_(step.block_counts, non_blocking=True)
+        _copy_lists(self.block_indices, step.block_indices)
 
     @classmethod
-    def zeros(cls, num_groups: int, device: torch.device) -> QueryGroups:
-        """A table for steps of at most num_groups tokens (CUDA graphs' static one), to be filled in place."""
-        return cls(torch.zeros(num_groups, _GROUP_COLUMNS, dtype=torch.long, device=device), num_groups, num_groups)
+    def zeros(cls, num_groups: int, num_tokens: int, num_key_blocks: int, device: torch.device) -> QueryGroups:
+        """Tables for steps of num_tokens in at most num_groups groups (CUDA graphs' static ones), to be refilled
+        in place."""
+        return cls(
+            torch.zeros(max(num_groups, num_tokens), _GROUP_COLUMNS, dtype=torch.long, device=device),
+            torch.zeros(2, num_groups, dtype=torch.int32, device=device),
+            torch.zeros(2, num_groups, num_key_blocks, dtype=torch.int32, device=device),
+            num_groups,
+            num_tokens,
+        )
+
+
+def _copy_lists(target: torch.Tensor, lists: torch.Tensor) -> None:
+    """[2, G, W] block lists into the first columns of a [2, G, KB] target (the rest stays 0)."""
+    width = min(lists.shape[2], target.shape[2])  # a slot's blocks plus one may pass a one-slot cache's KB
+    target[:, :, :width].copy_(lists[:, :, :width], non_blocking=True)
+
+
+def groups_of(lengths: Sequence[int]) -> int:
+    """The query groups rows of these new-token counts take."""
+    return sum(-(-n // GROUP_QUERIES) for n in lengths)
+
+
+def num_key_blocks(num_slots: int, max_len: int) -> int:
+    """The block mask's key blocks: the KV cache seen as one sequence of num_slots * max_len keys."""
+    return -(-num_slots * max_len // FLEX_BLOCK)
 
 
 def query_groups(
@@ -232,7 +276,35 @@ def query_groups(
     # A chain's first query sees its keys up to its own; a tree's queries see only the cache whole.
     table[:used, GROUP_QUERIES + 3] = first + cached + np.where(np.asarray(trees, bool)[row_of], -1, offset)
     table[used:num_groups, GROUP_QUERIES + 2 :] = -1  # an empty range: no key block
-    return QueryGroups(torch.from_numpy(table), num_groups, num_tokens)
+    keys = table[:num_groups, GROUP_QUERIES + 1 :]
+    counts, indices = _group_blocks(keys[:, 0], keys[:, 1], keys[:, 2], max_len)
+    return QueryGroups(
+        torch.from_numpy(table), torch.from_numpy(counts), torch.from_numpy(indices), num_groups, num_tokens
+    )
+
+
+def _group_blocks(
+    first: np.ndarray, last: np.ndarray, whole_to: np.ndarray, max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """[G] key ranges -> [2, G] counts and [2, G, W] lists of the partial and full key blocks, as
+    flex_block_mask's `ordered` would list them (ascending, first), W the most blocks one slot's range spans.
+
+    The visited blocks hold keys first..last, a range; the full ones lie inside first..whole_to, a range inside
+    it. So the partial ones are at most two ranges, either side of the full ones:
+
+        blocks   lo ...... full_lo ...... full_hi ...... hi
+                 partial   full                  partial
+    """
+    lo, hi = first // FLEX_BLOCK, last // FLEX_BLOCK  # an empty range (last -1) gives hi < lo: no block
+    full_lo, full_hi = -(-first // FLEX_BLOCK), (whole_to + 1) // FLEX_BLOCK - 1
+    num_full = np.maximum(full_hi - full_lo + 1, 0)
+    before = np.where(num_full > 0, full_lo - lo, np.maximum(hi - lo + 1, 0))  # partial blocks before the full
+    num_partial = before + np.where(num_full > 0, hi - full_hi, 0)
+    j = np.arange(-(-max_len // FLEX_BLOCK) + 1)[None]  # [1, W]
+    partial = np.where(j < before[:, None], lo[:, None] + j, full_hi[:, None] + 1 + j - before[:, None])
+    partial = np.where(j < num_partial[:, None], partial, 0)
+    full = np.where(j < num_full[:, None], full_lo[:, None] + j, 0)
+    return np.stack([num_partial, num_full]).astype(np.int32), np.stack([partial, full]).astype(np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +355,7 @@ def flex_block_mask(
     row_bases: torch.Tensor,  # [N]
     is_tree: torch.Tensor,  # [N] bool: the query's row is a tree (tree_table applies), else a chain
     tree_table: torch.Tensor,  # [N, W] bool
-    groups: QueryGroups | None,
+    groups: QueryGroups | None,  # on the tokens' device, its block lists num_key_blocks wide
     num_slots: int,
     max_len: int,
 ):  # -> torch.nn.attention.flex_attention.BlockMask
@@ -292,20 +364,19 @@ def flex_block_mask(
 
     Which key blocks a query block visits comes from the layout, not from evaluating the mask: every key a
     query sees lies in its own slot at or before its own position, one range of blocks per query. So the
-    mask costs [query blocks, key blocks] comparisons, where create_block_mask evaluates every score and
-    compiles anew for each query-block count. A block that every query of its query block sees whole (a
+    mask costs at most [query blocks, key blocks] comparisons, where create_block_mask evaluates every score
+    and compiles anew for each query-block count. A block that every query of its query block sees whole (a
     chain's keys up to its own position, a tree's cached keys) is full: the kernel skips the mask there. The
     others it visits are partial: the mask below decides each score in them.
 
     - grouped: batch entry b is group b, its queries q_idx the group's tokens; a group's queries share a
-      slot, so its blocks are one range from the slot's first key to its last query's position.
+      slot, so its blocks are one range from the slot's first key to its last query's position, listed on
+      the host with the groups (QueryGroups.block_counts, block_indices).
     - packed: one batch entry, query q_idx is token q_idx; a 128-query block may hold several rows, and
-      visits every block any of them needs.
+      visits every block any of them needs, found here on the device.
 
     The mask reads the tensors passed here whenever a kernel evaluates it, so a caller that refills them in
     place (server/cuda_graphs.py) gets a mask for the new step from the same closure."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     width = tree_table.shape[1]
 
     def sees(t, kv_idx):  # query token t, key kv_idx
@@ -317,44 +388,39 @@ def flex_block_mask(
         return (slot == kv_slots[t]) & ((pos < base) | ((rel >= 0) & new_ok))
 
     num_keys = num_slots * max_len
-    num_kv_blocks = -(-num_keys // FLEX_BLOCK)
-    starts = torch.arange(num_kv_blocks, device=kv_slots.device) * FLEX_BLOCK  # [KB] each block's first key
+    key_blocks = num_key_blocks(num_slots, max_len)
 
     if groups is not None:
         tokens = groups.tokens
 
-        def mask_mod(b, h, q_idx, kv_idx):
+        def grouped_mask(b, h, q_idx, kv_idx):
             return sees(tokens[b, q_idx], kv_idx)
 
-        # [G, 1, KB]: one query block per group, its key range from the host
-        first, last, whole_to = groups.keys[:, :, None].unbind(1)  # each [G, 1]
-        visits = ((starts + FLEX_BLOCK > first) & (starts <= last))[:, None]
-        full = ((starts >= first) & (starts + FLEX_BLOCK - 1 <= whole_to))[:, None]
-        seq_lengths = (GROUP_QUERIES, num_keys)
-    else:
+        if groups.block_indices.shape[2] != key_blocks:
+            raise ValueError(f"the groups' block lists are {groups.block_indices.shape[2]} wide, not {key_blocks}")
+        counts, indices = groups.block_counts[:, :, None, None], groups.block_indices[:, :, None, None]
+        return _block_mask(counts[0], indices[0], counts[1], indices[1], grouped_mask, (GROUP_QUERIES, num_keys))
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return sees(q_idx, kv_idx)
+    def packed_mask(b, h, q_idx, kv_idx):
+        return sees(q_idx, kv_idx)
 
-        first = kv_slots * max_len  # [N] the query's first key, and its last: its own position
-        last = first + kv_positions
-        whole_to = torch.where(is_tree, first + row_bases - 1, last)  # [N] it sees every key from first to here
-        num_tokens = kv_slots.shape[0]
-        num_q_blocks = -(-num_tokens // FLEX_BLOCK)
-        # Rows past the last query visit nothing, and keep their block from being full, as create_block_mask's do.
-        padding = num_q_blocks * FLEX_BLOCK - num_tokens
+    starts = torch.arange(key_blocks, device=kv_slots.device) * FLEX_BLOCK  # [KB] each block's first key
+    first = kv_slots * max_len  # [N] the query's first key, and its last: its own position
+    last = first + kv_positions
+    whole_to = torch.where(is_tree, first + row_bases - 1, last)  # [N] it sees every key from first to here
+    num_tokens = kv_slots.shape[0]
+    num_q_blocks = -(-num_tokens // FLEX_BLOCK)
+    # Rows past the last query visit nothing, and keep their block from being full, as create_block_mask's do.
+    padding = num_q_blocks * FLEX_BLOCK - num_tokens
 
-        def by_query_block(per_query: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [QB, FLEX_BLOCK, KB]
-            return torch.nn.functional.pad(per_query, (0, 0, 0, padding)).view(num_q_blocks, FLEX_BLOCK, num_kv_blocks)
+    def by_query_block(per_query: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [QB, FLEX_BLOCK, KB]
+        return torch.nn.functional.pad(per_query, (0, 0, 0, padding)).view(num_q_blocks, FLEX_BLOCK, key_blocks)
 
-        # [1, QB, KB]
-        visits = by_query_block((starts + FLEX_BLOCK > first[:, None]) & (starts <= last[:, None])).any(dim=1)[None]
-        full = by_query_block((starts >= first[:, None]) & (starts + FLEX_BLOCK - 1 <= whole_to[:, None])).all(dim=1)[
-            None
-        ]
-        seq_lengths = (num_tokens, num_keys)
-    # A full block is visited: every query of its block sees it, from its first key on. (An unused group's
-    # range ends before key 0, and padding rows past the last query see nothing: neither has a full block.)
+    # [1, QB, KB]
+    visits = by_query_block((starts + FLEX_BLOCK > first[:, None]) & (starts <= last[:, None])).any(dim=1)[None]
+    full = by_query_block((starts >= first[:, None]) & (starts + FLEX_BLOCK - 1 <= whole_to[:, None])).all(dim=1)[None]
+    # A full block is visited: every query of its block sees it, from its first key on. (Padding rows past the
+    # last query see nothing: they have no full block.)
     partial = visits & ~full
 
     def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,13 +428,32 @@ def flex_block_mask(
         counts = blocks.sum(dim=-1, dtype=torch.int32)[:, None]
         return counts, torch.argsort(~blocks, dim=-1, stable=True).to(torch.int32)[:, None]
 
+    return _block_mask(*ordered(partial), *ordered(full), packed_mask, (num_tokens, num_keys))
+
+
+def _block_mask(partial_counts, partial_indices, full_counts, full_indices, mask_mod, seq_lengths):
+    """FlexAttention's BlockMask of these lists, without the query-side lists that only a backward reads."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     return BlockMask.from_kv_blocks(
-        *ordered(partial),
-        *ordered(full),
+        partial_counts,
+        partial_indices,
+        full_counts,
+        full_indices,
         BLOCK_SIZE=FLEX_BLOCK,
         mask_mod=mask_mod,
         seq_lengths=seq_lengths,
+        **_forward_only(),
     )
+
+
+@functools.cache
+def _forward_only() -> dict[str, bool]:
+    """from_kv_blocks' flag that skips the query-side lists, where this torch has it."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    has_it = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    return {"compute_q_blocks": False} if has_it else {}
 
 
 def flex_attention(

@@ -6,16 +6,17 @@ captures one CUDA graph per bucket of token counts and replays it:
 
     step of n tokens -> the smallest bucket b >= n
       tokens padded to b by one extra row on the scratch KV slot (no session owns it)
-      the step's layout and query groups (server/attention.py; a group per token at most) copied into the
-      bucket's static tensors, its block mask rebuilt from them
+      the step's layout and query groups (server/attention.py), built on the host, copied into the
+      bucket's static tensors; the captured block mask reads them, its block lists the groups' own
       graph b replayed; logits[:num_logits] are the step's, in request order
 
     requests  A (slot 2, 3 new)  B (slot 0, 1 new)      n = 4 -> bucket 8
     packed    a0 a1 a2 b0 | p0 p1 p2 p3                  p*: the scratch slot's tokens 0..3
     logits    A's, B's | padding                        (a pad row asks for none; the rest repeat its last)
 
-Steps larger than the largest bucket (prefill chunks) run eagerly, where the
-math dwarfs the launches. Capture needs flex attention: its kernels' shapes
+The buckets reach 512 tokens, the scheduler's default max_batch_tokens, so every
+step of a default server replays a graph; larger steps (a raised
+--max-batch-tokens) run eagerly, where the math dwarfs the launches. Capture needs flex attention: its kernels' shapes
 depend only on the bucket, where the row loop's change with every row.
 Tensor-parallel servers run eagerly (their collectives go through the rank
 protocol, outside any graph).
@@ -37,10 +38,13 @@ import torch
 
 from specedge.server import tree
 from specedge.server.attention import (
+    GROUP_QUERIES,
     GROUPED_MAX_ROW,
     FlexLayout,
     QueryGroups,
     flex_block_mask,
+    groups_of,
+    num_key_blocks,
 )
 from specedge.server.model import CausalLM, StepBatch
 from specedge.server.runner import ForwardRequest, KVCache, KVMove, ModelRunner, PackedRows, grouped_queries
@@ -50,17 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-BLOCK_MASK_TENSORS = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def graphs_unavailable(device: torch.device, attention: str, tensor_parallel: bool) -> str | None:
@@ -88,6 +82,18 @@ def padded(requests: Sequence[ForwardRequest], bucket: int, scratch_slot: int) -
     return [*requests, pad] if num_pad else list(requests)
 
 
+def static_groups(bucket: int, num_slots: int) -> int:
+    """The query groups a bucket holds: as many as a step of `bucket` tokens can take.
+
+    Each row is a session's, in a slot of its own (the padding row in the scratch slot), so a step has at most
+    r = min(num_slots, bucket) rows. A row of n tokens takes ceil(n / GROUP_QUERIES) = 1 + (n - 1) // 16
+    groups, so r rows take at most r + (bucket - r) // 16: one row holding every token the others leave. A
+    bucket of 512 on 66 slots holds 93 groups, not 512: each group costs the attention call a batch entry,
+    used or not."""
+    rows = min(num_slots, bucket)
+    return rows + (bucket - rows) // GROUP_QUERIES
+
+
 @dataclasses.dataclass
 class _Bucket:
     """One bucket's static tensors (refilled in place each step), its captured graph and its output."""
@@ -95,7 +101,7 @@ class _Bucket:
     tokens: int
     meta: torch.Tensor  # [6, tokens] long: token ids, positions, KV slots, KV positions, logit indices, row bases
     flags: torch.Tensor  # [tokens, 1 + tokens] bool: is the token's row a tree, then its tree_table row
-    groups: QueryGroups  # a group per token: any step of `tokens` fits
+    groups: QueryGroups  # as many as any step of `tokens` can take (static_groups)
     batch: StepBatch
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # the captured forward's output, overwritten by every replay
@@ -150,8 +156,11 @@ class GraphedRunner:
         bucket = bucket_for(num_tokens, self.buckets)
         if bucket is None or bucket not in self._captured:
             return self.inner.forward_packed(requests)
+        state, step = self._captured[bucket], padded(requests, bucket, self.scratch_slot)
+        if groups_of([len(r.token_ids) for r in step]) > state.groups.num_groups:  # rows sharing a slot
+            return self.inner.forward_packed(requests)
         num_logits = sum(r.num_logits for r in requests)
-        logits = self._replay(self._captured[bucket], padded(requests, bucket, self.scratch_slot))
+        logits = self._replay(state, step)
         return logits[:num_logits].clone()  # the next replay overwrites the graph's output
 
     def forward(self, requests: Sequence[ForwardRequest]) -> list[torch.Tensor]:
@@ -165,7 +174,9 @@ class GraphedRunner:
         device, kv = self.device, self.kv
         meta = torch.zeros(6, bucket, dtype=torch.long, device=device)
         flags = torch.zeros(bucket, 1 + bucket, dtype=torch.bool, device=device)
-        groups = QueryGroups.zeros(bucket, device)
+        groups = QueryGroups.zeros(
+            static_groups(bucket, kv.num_slots), bucket, num_key_blocks(kv.num_slots, kv.max_len), device
+        )
         mask = self._block_mask(meta, flags, groups)
         batch = StepBatch(
             token_ids=meta[0],
@@ -206,7 +217,8 @@ class GraphedRunner:
         return logits
 
     def _fill(self, state: _Bucket, requests: list[ForwardRequest]) -> None:
-        """Copy a padded step's layout into the bucket's static tensors, and its block mask into the captured one."""
+        """Copy a padded step's layout into the bucket's static tensors. The captured block mask reads them, and
+        its block lists are views of the groups' tables: refilled, it is the step's mask."""
         rows = PackedRows.of(requests, self.kv.max_len)
         logit_indices = rows.logit_indices + [rows.num_tokens - 1] * (state.tokens - len(rows.logit_indices))
         host = torch.tensor(
@@ -219,17 +231,11 @@ class GraphedRunner:
                 num_new = len(r.token_ids)
                 flags[start : start + num_new, 0] = True
                 flags[start : start + num_new, 1 : 1 + num_new] = tree.ancestor_mask(r.tree_parents, num_new)
-        groups = grouped_queries(requests, rows, self.kv.max_len, num_groups=state.tokens)
+        groups = grouped_queries(requests, rows, self.kv.max_len, num_groups=state.groups.num_groups)
         assert groups is not None, "a bucket's rows are never longer than the grouped layout takes"
         state.meta.copy_(host, non_blocking=True)
         state.flags.copy_(flags, non_blocking=True)
-        state.groups.table.copy_(groups.table, non_blocking=True)
-        assert state.batch.flex is not None
-        captured, rebuilt = state.batch.flex.block_mask, self._block_mask(state.meta, state.flags, state.groups)
-        for name in BLOCK_MASK_TENSORS:
-            target, source = getattr(captured, name), getattr(rebuilt, name)
-            if target is not None and source is not None:
-                target.copy_(source)
+        state.groups.refill(groups)
 
     def _block_mask(self, meta: torch.Tensor, flags: torch.Tensor, groups: QueryGroups):
         """The block mask of a bucket's static tensors, reading them whenever a kernel evaluates it."""

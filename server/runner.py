@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from specedge.server import tree
-from specedge.server.attention import QueryGroups, compiled_rows, flex_layout, query_groups
+from specedge.server.attention import QueryGroups, compiled_rows, flex_layout, num_key_blocks, query_groups
 from specedge.server.model import CausalLM, StepBatch
 
 
@@ -187,7 +187,9 @@ class ModelRunner:
                 kv_positions=on_device(rows.kv_positions),
                 row_bases=on_device(rows.row_bases),
                 tree_table=self._tree_table(requests, rows.num_tokens),
-                groups=None if groups is None else groups.to(self.device),
+                groups=None
+                if groups is None
+                else groups.to(self.device, num_key_blocks(self.kv.num_slots, self.kv.max_len)),
                 num_slots=self.kv.num_slots,
                 max_len=self.kv.max_len,
             )

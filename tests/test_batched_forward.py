@@ -222,6 +222,28 @@ def test_query_groups_hold_one_rows_tokens_each():
         query_groups([0, 1, 2, 3], [0, 1, 2], [0, 0, 0], [False] * 3, max_len=100, num_groups=2)
 
 
+def test_query_groups_list_their_key_blocks_on_the_host():
+    """A group's partial key blocks lie either side of its full ones, both listed ascending first, then 0s.
+
+    max_len 320, slot 1: keys 320..639, blocks of 128 (block 2: keys 256..383, 3: 384..511, 4: 512..639)."""
+    groups = query_groups(
+        [0, 5, 10, 11], slots=[1, 0, 2], num_cached=[250, 250, 0], trees=[False, True, False], max_len=320, num_groups=4
+    )
+    assert groups is not None
+    counts, indices = groups.block_counts.tolist(), groups.block_indices.tolist()
+    # chain at 250 cached in slot 1: keys 320..574, seen whole by all 5 queries up to 570: block 3 alone is full
+    # tree at 250 cached in slot 0: keys 0..254, the cache (0..249) seen whole: block 0 full, block 1 partial
+    # one token at 0 cached in slot 2: key 640 alone, block 5, which it does not see whole (641..767 unseen)
+    # an unused group: nothing
+    assert [counts[0], counts[1]] == [[2, 1, 1, 0], [1, 1, 0, 0]]
+    width = -(-320 // 128) + 1  # the most blocks one slot's keys span (unaligned, one more)
+    assert indices[0] == [[2, 4] + [0] * (width - 2), [1] + [0] * (width - 1), [5] + [0] * (width - 1), [0] * width]
+    assert indices[1] == [[3] + [0] * (width - 1), [0] * width, [0] * width, [0] * width]
+    on_device = groups.to(torch.device("cpu"), num_key_blocks=8)
+    assert on_device.block_indices.shape == (2, 4, 8) and on_device.block_indices[:, :, width:].eq(0).all()
+    assert torch.equal(on_device.block_indices[:, :, :width], groups.block_indices)
+
+
 def test_flex_falls_back_to_the_general_kernel_once_the_decoding_kernel_cannot_be_built():
     """Inductor raised NoValidChoicesError for some decoding-kernel shapes on an H200 (the test model's 4 x 17
     queries); its general kernel built them. After the first failure every call takes the general kernel, and

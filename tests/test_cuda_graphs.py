@@ -11,13 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from specedge.registry import ResolvedModel
+from specedge.server.attention import groups_of
 from specedge.server.cuda_graphs import (
     GraphedRunner,
     bucket_for,
     graphs_unavailable,
     padded,
+    static_groups,
 )
 from specedge.server.loading import load_target
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
@@ -57,6 +60,39 @@ def test_padding_is_one_row_on_the_scratch_slot_asking_for_no_logits():
     assert padded(requests, 4, scratch_slot=6) == requests  # nothing to pad
     with pytest.raises(ValueError, match="does not fit a bucket of 2"):
         padded(requests, 2, scratch_slot=6)
+
+
+@given(
+    bucket=st.sampled_from([1, 4, 16, 64, 256, 512]),
+    num_slots=st.integers(1, 80),
+    data=st.data(),
+)
+def test_a_bucket_holds_the_groups_of_any_step_in_its_slots(bucket, num_slots, data):
+    """Rows in distinct slots (the padding row in the scratch slot among them) never take more query groups
+    than the bucket holds, and one step takes them all."""
+    rows = min(num_slots, bucket)
+    cuts = sorted(data.draw(st.sets(st.integers(1, bucket - 1), max_size=rows - 1))) if bucket > 1 else []
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, bucket])]  # at most `rows` rows, each of a token or more
+    assert groups_of(lengths) <= static_groups(bucket, num_slots)
+    worst = [1] * (rows - 1) + [bucket - rows + 1]  # one row holds every token the others leave
+    assert groups_of(worst) == static_groups(bucket, num_slots)
+
+
+def test_a_step_of_more_groups_than_its_bucket_holds_runs_eagerly(model, monkeypatch):
+    """Two rows in one slot (never sent by the engine) could take more groups than a bucket holds: such a step
+    is run by the plain runner, not refused."""
+    plain, graphed = _plain(model), _graphed(model)
+    for runner in (plain, graphed):
+        runner.forward([ForwardRequest(slot, 0, tuple(range(1, 41))) for slot in range(NUM_SLOTS)])
+    step = [ForwardRequest(slot % NUM_SLOTS, 30 + slot // NUM_SLOTS, (slot + 3,)) for slot in range(9)]
+    assert groups_of([1] * 9 + [16 - 9]) > static_groups(16, NUM_SLOTS + 1)  # 10 groups; the bucket holds 7
+
+    def no_replay(*_):
+        raise AssertionError("replayed a step its bucket cannot hold")
+
+    monkeypatch.setattr(graphed, "_replay", no_replay)
+    for logits, reference in zip(graphed.forward(step), plain.forward(step)):
+        torch.testing.assert_close(logits, reference, atol=2e-4, rtol=0)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
