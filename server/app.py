@@ -53,11 +53,13 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
-    # How the target's matrix products run (server/matmul.py): auto (numba, else oneDNN, on CPU), eager, numba, onednn.
+    # How the target's matrix products run (server/matmul.py): auto (on CPU numba, else oneDNN; on CUDA fused),
+    # eager, fused, numba, onednn.
     matmul: str = "auto"
-    # How rows attend to their KV slots (server/attention.py): auto (flex on CUDA, rows elsewhere), rows, flex.
+    # How rows attend to their KV slots (server/attention.py): auto (flex on CUDA; on a CPU numba for float32, else
+    # rows), rows, numba, flex.
     attention: str = "auto"
-    # Replay one CUDA graph per token-count bucket for steps of up to 128 tokens (server/cuda_graphs.py),
+    # Replay one CUDA graph per token-count bucket for steps of up to 512 tokens (server/cuda_graphs.py),
     # where the device, attention and parallelism allow it; False: every step runs eagerly.
     cuda_graphs: bool = True
     max_context: int | None = None  # default: min(4096, the model's max positions)

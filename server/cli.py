@@ -42,10 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--matmul",
         default="auto",
-        choices=["auto", "eager", "numba", "onednn"],
-        help="matrix products: auto (on CPU, numba for float32, else oneDNN), eager (torch's plain path), numba "
-        "(plain float32 weights streamed at memory speed for small batches, oneDNN's GEMM for prefill), "
-        "onednn (weights packed for oneDNN; float32 or bfloat16)",
+        choices=["auto", "eager", "fused", "numba", "onednn"],
+        help="matrix products: auto (on CPU, numba for float32, else oneDNN; on CUDA, fused), eager (torch's plain "
+        "path), fused (the same, q/k/v and gate/up stacked into one product each), numba (plain float32 weights "
+        "streamed at memory speed for small batches, oneDNN's GEMM for prefill), onednn (weights packed for "
+        "oneDNN; float32 or bfloat16)",
     )
     parser.add_argument(
         "--attention",

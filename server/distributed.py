@@ -41,7 +41,7 @@ import torch.multiprocessing
 from torch import distributed as dist
 
 from specedge.server.attention import numba_kernel as attention_kernel
-from specedge.server.matmul import pack_for_onednn, plain_for_numba
+from specedge.server.matmul import prepare
 from specedge.server.parallel import GroupCollectives, load_shard
 from specedge.server.runner import KVCache, ModelRunner
 from specedge.server.tp_runner import Op, send_step, serve_steps
@@ -86,7 +86,7 @@ class RankSpec:
     model_dir: str  # HF safetensors directory (a GGUF was converted before any rank started)
     device_type: str  # "cpu" or "cuda"
     dtype: str  # torch dtype name, e.g. "float32"
-    matmul: str  # the resolved matrix-product path: "eager", "numba" or "onednn" (server/matmul.py)
+    matmul: str  # the resolved matrix-product path: "eager", "fused", "numba" or "onednn" (server/matmul.py)
     attention: str  # the resolved attention path, "rows", "numba" or "flex" (server/attention.py)
     store_port: int | None  # rank 0's TCPStore on 127.0.0.1; None: torchrun's env:// rendezvous
     collective_timeout_s: float
@@ -298,10 +298,7 @@ def worker_main(spec: RankSpec) -> None:
         dtype = getattr(torch, spec.dtype)
         model_dir = pathlib.Path(spec.model_dir)
         model = load_shard(model_dir, spec.rank, spec.world_size, GroupCollectives(), device=spec.device, dtype=dtype)
-        if spec.matmul == "onednn":
-            pack_for_onednn(model)
-        elif spec.matmul == "numba":
-            plain_for_numba(model)
+        prepare(model, spec.matmul)
         model.attention = spec.attention
         if spec.attention == "numba" and attention_kernel() is None:  # compiled (or loaded) now, not in a step
             raise RuntimeError("rank 0 chose numba attention, but its kernel does not compile on this rank")

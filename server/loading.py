@@ -25,7 +25,7 @@ from filelock import FileLock
 from specedge.registry import ResolvedModel, default_cache_dir, file_cache_key
 from specedge.server.attention import resolve_attention
 from specedge.server.layer_kernel import compile_layers
-from specedge.server.matmul import pack_for_onednn, plain_for_numba, resolve_matmul
+from specedge.server.matmul import prepare, resolve_matmul
 from specedge.server.model import CausalLM, Collectives, ModelArgs, rope_frequencies
 from specedge.server.parallel import load_shard
 from specedge.tokens import TokenizerFingerprint, fingerprint_from_gguf, fingerprint_from_hf
@@ -67,10 +67,7 @@ def load_target(
     cache_dir = cache_dir or default_cache_dir()
     kind = resolve_matmul(matmul, device, dtype)
     target = _load(resolved, device=device, dtype=dtype, cache_dir=cache_dir, collectives=collectives)
-    if kind == "onednn":
-        pack_for_onednn(target.model)
-    elif kind == "numba":
-        plain_for_numba(target.model)
+    prepare(target.model, kind)
     target.matmul = kind
     target.model.attention = resolve_attention(attention, device, dtype)
     if kind == "numba" and target.model.attention == "numba":

@@ -16,8 +16,13 @@
   are fused into one product each, so a layer reads its weights in four
   passes instead of seven. This is the kernel inductor emits under freezing,
   without the compile or its second copy of the weights.
-- `auto`: `numba` for float32 on a CPU where numba compiles, else `onednn` where
-  it is available for the device and dtype, else `eager`, said in one log line.
+- `fused`: the device's own products (cuBLAS on CUDA) with q/k/v and gate/up
+  stacked into one weight each, so a layer launches four products, not seven,
+  each over a larger weight. On an H200 the 1.5B's graphed 1-token step spent
+  52 of its 125 us a layer in seven products (bench/results/2026-11-27-h200-cuda.md).
+- `auto`: on a CPU, `numba` for float32 where numba compiles, else `onednn` where
+  it is available for the dtype, else `eager`, said in one log line; elsewhere
+  (CUDA) `fused`.
 
 On the 2-core AVX2 EPYC of `bench/results/`, over a [M, 1536] x [1536, 8960]
 product: eager MKL takes 4.9 ms at M = 1 and 16 ms at M = 5, packed oneDNN
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -48,7 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MATMUL_KINDS = ("auto", "eager", "numba", "onednn")
+MATMUL_KINDS = ("auto", "eager", "fused", "numba", "onednn")
 
 
 class PackedLinear(nn.Module):
@@ -153,8 +159,10 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     """The path a server will use: `kind` itself, or what `auto` means on this device and dtype."""
     if kind not in MATMUL_KINDS:
         raise ValueError(f"unknown matmul path {kind!r}; choose one of {', '.join(MATMUL_KINDS)}")
-    if kind == "eager":
-        return "eager"
+    if kind in ("eager", "fused"):
+        return kind
+    if kind == "auto" and device.type != "cpu":
+        return "fused"
     reasons = {}
     for path, unavailable in (("numba", numba_unavailable), ("onednn", onednn_unavailable)):
         if kind not in ("auto", path):
@@ -167,6 +175,22 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
         reasons[path] = reason
     log.info("matrix products run eager: %s", "; ".join(f"{path}: {why}" for path, why in reasons.items()))
     return "eager"
+
+
+def prepare(model: CausalLM, kind: str) -> None:
+    """Put a loaded model's projections in the form the resolved path `kind` runs, in place."""
+    if kind == "onednn":
+        pack_for_onednn(model)
+    elif kind == "numba":
+        plain_for_numba(model)
+    elif kind == "fused":
+        fuse_projections(model)
+
+
+@torch.no_grad()
+def fuse_projections(model: CausalLM) -> None:
+    """Stack every layer's q/k/v and gate/up into one nn.Linear each, in place (the device's own products)."""
+    _replace_projections(model, _linear)
 
 
 @torch.no_grad()
@@ -183,7 +207,21 @@ def plain_for_numba(model: CausalLM) -> None:
     _replace_projections(model, PlainLinear)
 
 
-Projection = type[PackedLinear] | type[PlainLinear]
+Projection = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An nn.Linear holding these tensors, not copies. A parameter stays itself, so a tied head's weight is still
+    the embedding's one parameter (a second Parameter over the same memory would be counted twice)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=weight.dtype)
+    linear.weight = _parameter(weight)
+    if bias is not None:
+        linear.bias = _parameter(bias)
+    return linear
+
+
+def _parameter(tensor: torch.Tensor) -> nn.Parameter:
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
 
 
 def _replace_projections(model: CausalLM, make: Projection) -> None:

@@ -11,6 +11,7 @@ from specedge.registry import ResolvedModel
 from specedge.server import matmul
 from specedge.server.loading import load_target
 from specedge.server.matmul import PackedLinear, PlainLinear, layout_rows, numba_max_rows, resolve_matmul
+from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 
 CPU = torch.device("cpu")
 
@@ -91,9 +92,40 @@ def test_auto_chooses_by_device_and_dtype_and_names_what_cannot_run():
         resolve_matmul("numba", CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="--matmul numba cannot run: the numba kernel is for CPUs; cuda"):
         resolve_matmul("numba", torch.device("cuda"), torch.float32)
-    assert resolve_matmul("auto", torch.device("cuda"), torch.float32) == "eager"
+    assert resolve_matmul("auto", torch.device("cuda"), torch.float32) == "fused"
+    assert resolve_matmul("auto", torch.device("cuda"), torch.bfloat16) == "fused"
+    assert resolve_matmul("fused", CPU, torch.float32) == "fused"
     with pytest.raises(ValueError, match="unknown matmul path 'fast'"):
         resolve_matmul("fast", CPU, torch.float32)
+
+
+def test_fused_projections_compute_the_separate_ones_in_one_copy(tiny_llama3_dir, tiny_target_dir):
+    """CUDA's path: q/k/v (with Qwen2's biases) and gate/up stacked into one nn.Linear each, the separate weights
+    gone, a tied head still the embedding's memory; the logits those of the separate products."""
+    fused = load_target(ResolvedModel("tiny", "hf", tiny_llama3_dir), device=CPU, dtype=torch.float32, matmul="fused")
+    assert fused.matmul == "fused" and fused.model.model.layers[0].self_attn.qkv_proj is not None
+    for model_dir in (tiny_llama3_dir, tiny_target_dir):
+        model = load_target(ResolvedModel("tiny", "hf", model_dir), device=CPU, dtype=torch.float32).model
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, bias in model.named_parameters():
+                if name.endswith("bias"):  # a checkpoint's are trained; a fresh tiny model's are zeros
+                    bias.normal_()
+        runner = ModelRunner(model, KVCache(model, num_slots=1, max_len=16, device=CPU, dtype=torch.float32))
+        step = [ForwardRequest(0, 0, (3, 17, 5, 9, 12))]
+        want = runner.forward(step)[0]
+        weight_bytes = sum(p.nbytes for p in model.parameters())
+        matmul.fuse_projections(model)
+        assert sum(p.nbytes for p in model.parameters()) == weight_bytes  # one copy, each counted once
+        for layer in model.model.decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            assert attn.q_proj is None and attn.k_proj is None and attn.v_proj is None
+            assert mlp.gate_proj is None and mlp.up_proj is None
+            assert isinstance(attn.qkv_proj, torch.nn.Linear) and isinstance(mlp.gate_up_proj, torch.nn.Linear)
+            assert (attn.qkv_proj.bias is not None) == model.args.qkv_bias
+        if model.args.tie_word_embeddings:
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        torch.testing.assert_close(runner.forward(step)[0], want, atol=1e-5, rtol=1e-5)
 
 
 def test_without_the_kernel_auto_falls_back_to_onednn(monkeypatch, caplog):
