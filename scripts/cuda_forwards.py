@@ -24,14 +24,15 @@ import torch
 
 from specedge.bench.engine import Step
 from specedge.registry import resolve
+from specedge.server import attention, matmul
 from specedge.server.cuda_graphs import GraphedRunner, bucket_for, padded
 from specedge.server.loading import load_target
+from specedge.server.matmul import resolve_matmul
 from specedge.server.random_model import PRESETS, build_random, preset_of
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.tokens import TokenizerFingerprint
 
 PREFIX = 200  # cached tokens of each row, as in specedge-bench engine
-EAGER_PREFILLS = (129, 160, 197, 256, 300)  # past the largest bucket (128)
 
 
 def main() -> None:
@@ -45,6 +46,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument(
         "--no-tokenizer", action="store_true", help="random:PRESET built without loading a tokenizer (no checkpoint)"
+    )
+    parser.add_argument("--matmul", default="auto", help="the matrix-product path (server/matmul.py)")
+    parser.add_argument("--eager-prefills", default="129,160,197,256,300", help="prefill lengths timed eagerly first")
+    parser.add_argument("--profile", default="", help="comma-separated steps whose replay's kernels are listed")
+    parser.add_argument(
+        "--packed-too", action="store_true", help="also time each step eagerly in the packed layout of the queries"
     )
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -75,10 +82,13 @@ def main() -> None:
         vocab_size = PRESETS[preset].vocab_size or 32_000
         fingerprint = TokenizerFingerprint(vocab_size, vocab_size, "", None, ())
         model, _ = build_random(preset, fingerprint, device=device, dtype=dtype)
+        kind = resolve_matmul(args.matmul, device, dtype)
+        matmul.prepare(model, kind)
         model.attention, name = "flex", args.target
     else:
-        target = load_target(resolve(args.target), device=device, dtype=dtype, attention="flex")
-        model, name = target.model, target.name
+        target = load_target(resolve(args.target), device=device, dtype=dtype, matmul=args.matmul, attention="flex")
+        model, name, kind = target.model, target.name, target.matmul
+    print(f"matrix products: {kind}", flush=True)
     weight_bytes = sum(p.nbytes for p in model.parameters())
     tied = model.args.tie_word_embeddings  # an untied embedding is a lookup, not a product
     flops_per_token = 2 * sum(p.numel() for n, p in model.named_parameters() if "embed" not in n or tied)
@@ -92,7 +102,7 @@ def main() -> None:
     eager.forward([ForwardRequest(0, 0, tuple(token_ids[:PREFIX]), all_logits=False)])
     for cache in (*kv.k, *kv.v):
         cache[1:, :PREFIX] = cache[0, :PREFIX]
-    for n in EAGER_PREFILLS:
+    for n in [int(n) for n in args.eager_prefills.split(",") if n]:
         request = [ForwardRequest(1, 0, tuple(token_ids[:n]), all_logits=False)]
         start = time.perf_counter()
         eager.forward_packed(request)
@@ -112,6 +122,8 @@ def main() -> None:
             fill = timed(lambda state=state, pad=pad: graphed._fill(state, pad))
         replay = timed(state.graph.replay) if state.graph is not None else float("nan")
         print(f"{step.name}: fill {fill:.2f} ms, replay {replay:.2f} ms", flush=True)
+        if step.name in args.profile.split(",") and state.graph is not None:
+            _profile(step.name, state.graph.replay)
     rows = []
     for step in steps:
         requests = step.requests(PREFIX, token_ids)
@@ -119,6 +131,13 @@ def main() -> None:
         graph_ms = timed(lambda requests=requests: graphed.forward_packed(requests))
         roofline = max(weight_bytes / stream, step.num_tokens * flops_per_token / peak) * 1e3
         rows.append({"step": step.name, "eager_ms": eager_ms, "graphs_ms": graph_ms, "roofline_ms": roofline})
+        if args.packed_too and hasattr(attention, "GROUPED_MAX_ROW"):
+            grouped_max_row, attention.GROUPED_MAX_ROW = attention.GROUPED_MAX_ROW, 0
+            try:
+                rows[-1]["eager_packed_ms"] = timed(lambda requests=requests: eager.forward_packed(requests))
+            finally:
+                attention.GROUPED_MAX_ROW = grouped_max_row
+            print(f"{step.name:>9} eager, packed layout: {rows[-1]['eager_packed_ms']:7.2f} ms", flush=True)
         print(
             f"{step.name:>9} {step.num_tokens:4d} tokens: eager {eager_ms:7.2f} ms, graphs {graph_ms:7.2f} ms,"
             f" roofline {roofline:6.2f} ms; graphs {graph_ms / roofline:5.2f}x the roofline",
@@ -126,6 +145,22 @@ def main() -> None:
         )
     machine = {"stream": stream, "peak": peak, "weight_bytes": weight_bytes}
     print(json.dumps({"target": args.target, **machine, "rows": rows}))
+
+
+def _profile(name: str, replay) -> None:
+    """The kernels of ten replays, by their own device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            replay()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    try:
+        table = averages.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=70)
+    except (AttributeError, KeyError):  # an older torch names it after CUDA
+        table = averages.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=70)
+    print(f"{name}: ten replays' kernels\n{table}", flush=True)
 
 
 def _finish(device: torch.device) -> None:
