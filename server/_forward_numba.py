@@ -14,7 +14,7 @@ blocks of four weight rows and walks x a few rows at a time, so a weight row is 
 from memory once and then from cache, by each later pass. At small M this reads the
 weights at or near the machine's memory speed, where oneDNN and MKL reach 50-85% of it
 (`specedge-bench engine`'s kernel table). Larger M are left to oneDNN, whose
-blocked GEMM reuses each weight over many more rows (MAX_ROWS). From three x rows
+blocked GEMM reuses each weight over many more rows (MAX_ROWS). From three x rows (on Zen 4, one)
 on, passes take x up to _GROUP rows at a time, in groups as even as the rows allow,
 and each pass prefetches its share of the next block's lines, one line every step or
 two, so that a pass reading its block from cache does not leave the memory idle.
@@ -89,7 +89,13 @@ _V = ir.VectorType(_F32, _LANES)
 # each at 40, oneDNN 0.90x at 48) and between 40 and 64 on a 2-core AVX2 EPYC.
 MAX_ROWS = 40 if _AVX512 else 48
 _I8P = ir.IntType(8).as_pointer()
-_LONE_LINES = 2 if _AVX512 else 1  # lines a step of a lone pass (one pass takes every x row) may prefetch
+# AMD's AVX-512 cores (Zen 4 on): there a lone pass (one pass takes every x row) prefetching the whole next block
+# read [8960, 1536] weights at 0.93-0.98x a torch read where the plain loop read at 0.79-0.81x (M = 1), and at
+# M = 3-6 1.10-1.16x faster than prefetching half the block, in turn on a 2-core EPYC (docs/engine-cpu.md). On
+# the Xeon and the AVX2 EPYC the plain loop read at 0.94-0.95x, so M = 1-2 keep it there.
+_ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
+_PREFETCH_FROM = 1 if _ZEN_AVX512 else 3  # x rows from which the product's passes prefetch the next block
+_LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
@@ -109,8 +115,9 @@ def warm_up() -> None:
 
 def warm_up_matmul() -> None:
     # The plain loops, then prefetching passes of every size (AVX2: 2 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2;
-    # AVX-512: 4 alone, the 3 x 7 and 3 x 8 tiles, 6 + 5).
-    for rows, columns in ((3, 5), (4, 2 * _LANES), (7, 2 * _LANES), (8, 2 * _LANES), (11, 2 * _LANES)):
+    # AVX-512: 4 alone, the 3 x 7 and 3 x 8 tiles, 6 + 5; on Zen 4 also 1 and 2 alone).
+    shapes = ((3, 5), (1, 2 * _LANES), (2, 2 * _LANES), (4, 2 * _LANES), (7, 2 * _LANES), (8, 2 * _LANES))
+    for rows, columns in (*shapes, (11, 2 * _LANES)):
         x, w = np.ones((rows, columns), np.float32), np.ones((6, columns), np.float32)
         y = np.empty((rows, 6), np.float32)
         matmul(x, w, y)
@@ -127,7 +134,7 @@ def matmul(x, w, y):
     m_rows, k = x.shape
     n = w.shape[0]
     pairs = m_rows // 2
-    prefetching = m_rows >= 3 and k >= _LANES and k % _LANES == 0  # the tile divides by k / _LANES
+    prefetching = m_rows >= _PREFETCH_FROM and k >= _LANES and k % _LANES == 0  # the tile divides by k / _LANES
     # Prefetching passes take x rows up to _GROUP at a time, in groups as even as possible (AVX2: M = 8 is
     # 3 + 3 + 2, M = 4 is 2 + 2), so that each weight vector loaded meets as many x rows as the registers hold.
     passes = (m_rows + _GROUP - 1) // _GROUP
@@ -387,7 +394,7 @@ def _is_true(builder, flag):
 
 
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
-_lone_3, _lone_4, _lone_5, _lone_6 = (_prefetching_tile(columns, _LONE_LINES) for columns in range(3, 7))
+_lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (_prefetching_tile(c, _LONE_LINES) for c in range(1, 7))
 _tile_3x7, _tile_3x8 = (_prefetching_tile(columns, 2, 3) for columns in (7, 8))
 _chunk_2, _chunk_3, _chunk_4, _chunk_5, _chunk_6 = (_chunk_tile(columns) for columns in range(2, 7))
 
@@ -409,8 +416,12 @@ def _prefetching_pass(x, m0, columns, w, o, y, ahead, lines):
 
 @njit(inline="always", fastmath=True)
 def _lone_pass(x, columns, w, o, y, ahead, lines):
-    """The one pass of a block for all `columns` (3 .. _GROUP) x rows, _LONE_LINES prefetches a step."""
-    if columns == 3:
+    """The one pass of a block for all `columns` (_PREFETCH_FROM .. _GROUP) x rows, _LONE_LINES prefetches a step."""
+    if columns == 1:
+        _lone_1(x, 0, w, o, y, ahead, lines)
+    elif columns == 2:
+        _lone_2(x, 0, w, o, y, ahead, lines)
+    elif columns == 3:
         _lone_3(x, 0, w, o, y, ahead, lines)
     elif columns == 4:
         _lone_4(x, 0, w, o, y, ahead, lines)
