@@ -14,10 +14,11 @@ captures one CUDA graph per bucket of token counts and replays it:
     packed    a0 a1 a2 b0 | p0 p1 p2 p3                  p*: the scratch slot's tokens 0..3
     logits    A's, B's | padding                        (a pad row asks for none; the rest repeat its last)
 
-The buckets reach 512 tokens, the scheduler's default max_batch_tokens, so every
-step of a default server replays a graph; larger steps (a raised
---max-batch-tokens) run eagerly, where the math dwarfs the launches. Capture needs flex attention: its kernels' shapes
-depend only on the bucket, where the row loop's change with every row.
+The buckets reach 512 tokens, the scheduler's max_batch_tokens (no step carries
+more), so every step replays a graph; a larger step (a BatcherConfig raised in
+code) runs eagerly, where the math dwarfs the launches. Capture needs flex
+attention: its kernels' shapes depend only on the bucket, where the row loop's
+change with every row.
 Tensor-parallel servers run eagerly (their collectives go through the rank
 protocol, outside any graph).
 

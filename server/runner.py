@@ -182,14 +182,13 @@ class ModelRunner:
         flex = None
         if self.model.attention == "flex":
             groups = grouped_queries(requests, rows, self.kv.max_len)
+            key_blocks = num_key_blocks(self.kv.num_slots, self.kv.max_len)
             flex = flex_layout(
                 kv_slots=on_device(rows.kv_slots),
                 kv_positions=on_device(rows.kv_positions),
                 row_bases=on_device(rows.row_bases),
                 tree_table=self._tree_table(requests, rows.num_tokens),
-                groups=None
-                if groups is None
-                else groups.to(self.device, num_key_blocks(self.kv.num_slots, self.kv.max_len)),
+                groups=None if groups is None else groups.to(self.device, key_blocks),
                 num_slots=self.kv.num_slots,
                 max_len=self.kv.max_len,
             )
