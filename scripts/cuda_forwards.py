@@ -131,7 +131,7 @@ def main() -> None:
         graph_ms = timed(lambda requests=requests: graphed.forward_packed(requests))
         roofline = max(weight_bytes / stream, step.num_tokens * flops_per_token / peak) * 1e3
         rows.append({"step": step.name, "eager_ms": eager_ms, "graphs_ms": graph_ms, "roofline_ms": roofline})
-        if args.packed_too and hasattr(attention, "GROUPED_MAX_ROW"):
+        if args.packed_too:
             grouped_max_row, attention.GROUPED_MAX_ROW = attention.GROUPED_MAX_ROW, 0
             try:
                 rows[-1]["eager_packed_ms"] = timed(lambda requests=requests: eager.forward_packed(requests))
