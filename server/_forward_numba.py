@@ -38,6 +38,13 @@ forwards of the 1.5B on the 2-core Xeon, in turn with the kernel before each cha
 loop stops LLVM from vectorizing it. Prefetching a whole share at once, between
 passes, was slower (docs/engine-cpu.md's 8 x 1 paragraph).
 
+bfloat16 (`--dtype bfloat16 --matmul numba`, on CPUs with AVX512_BF16). x and w come as the int16 bits of
+bfloat16, and a tile's step takes 32 values of K as pairs into the 16 float32 lanes of each sum (vdpbf16ps,
+written as inline assembly: its LLVM intrinsic's types have changed between versions). So the weights stream at
+half the bytes and every sum is float32; the caller rounds once. Passes of several tiles hold five x rows, not
+six. [M, 1536] x [1536, 8960], 20 weights in turn with oneDNN's packed bfloat16 product on a 2-core Zen 4 EPYC:
+M = 1-6 0.74-0.93x its time (at the stream's speed), M = 7-8 0.99-1.05x, M = 12-64 0.99-1.14x.
+
 Attention. Every short row of a step (a decode token, a verify chain or tree)
 attends to its own KV slot in one call: one parallel task per (row, KV head),
 reading the slot in place. A task scores each visible key against the G query
@@ -47,7 +54,8 @@ ahead. On a CPU this replaces one scaled-dot-product call per row and layer
 (about 0.1 ms each, whatever the row's size) with a few microseconds of
 arithmetic. A query at new position t sees every cached key and its row's new
 keys j <= t: all of them in a chain, its ancestors in a tree (tree_masks). Keys
-past t are never read.
+past t are never read. A bfloat16 cache is read in place as its int16 bits, each
+value widened to float32 as it is loaded.
 
 The decoder layer. One call runs a whole layer over a step's packed tokens, in
 place on the residual stream x [N, hidden]: RMSNorm, the fused q/k/v product,
@@ -84,6 +92,12 @@ _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _AVX512 = bool(llvm.get_host_cpu_features().get("avx512f", False))
 _LANES, _LANE_BITS, _GROUP = (16, 4, 6) if _AVX512 else (8, 3, 3)
 _V = ir.VectorType(_F32, _LANES)
+# bfloat16 products (x and w as the int16 bits of bfloat16) on CPUs with AVX512_BF16: a step of a tile takes 32
+# values of K, as pairs, into the 16 float32 lanes of a sum (vdpbf16ps).
+DPBF16 = _AVX512 and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+if DPBF16:
+    llvm.initialize_native_asmparser()  # the inline vdpbf16ps is assembled as the kernel compiles
+_PAIRS = ir.VectorType(_I32, _LANES)  # 32 bfloat16 values, two to a lane
 # Products of up to this many rows run `matmul`; larger ones, oneDNN's GEMM (server/matmul.py), whose blocked
 # kernels reuse each weight over many more rows. Over a forward's worth of the 1.5B's products (1.1 GB, more
 # than the caches hold), oneDNN caught up at M = 40 on a 2-core AVX-512 Xeon (x rows on cache lines: 103 ms
@@ -117,13 +131,16 @@ def warm_up() -> None:
 def warm_up_matmul() -> None:
     # The plain loops, then prefetching passes of every size (AVX2: 2 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2;
     # AVX-512: 4 alone, the 3 x 7 and 3 x 8 tiles, 6 + 5; on Zen 4 also 1 and 2 alone).
-    shapes = ((3, 5), (1, 2 * _LANES), (2, 2 * _LANES), (4, 2 * _LANES), (7, 2 * _LANES), (8, 2 * _LANES))
-    for rows, columns in (*shapes, (11, 2 * _LANES)):
-        x, w = np.ones((rows, columns), np.float32), np.ones((6, columns), np.float32)
-        y = np.empty((rows, 6), np.float32)
-        matmul(x, w, y)
-        if not np.array_equal(y, np.full((rows, 6), columns, np.float32)):
-            raise RuntimeError(f"the compiled product is wrong: {y}")
+    # With AVX512_BF16 the same for bfloat16 (1.0 is 0x3F80), whose steps take twice the columns.
+    shapes = ((3, 5), (1, 4 * _LANES), (2, 4 * _LANES), (4, 4 * _LANES), (7, 4 * _LANES), (8, 4 * _LANES))
+    ones = ((np.float32, _ONE), (np.int16, np.int16(0x3F80))) if DPBF16 else ((np.float32, _ONE),)
+    for dtype, one in ones:
+        for rows, columns in (*shapes, (11, 4 * _LANES)):
+            x, w = np.full((rows, columns), one, dtype), np.full((6, columns), one, dtype)
+            y = np.empty((rows, 6), np.float32)
+            matmul(x, w, y)
+            if not np.array_equal(y, np.full((rows, 6), columns, np.float32)):
+                raise RuntimeError(f"the compiled product is wrong: {y}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,7 +152,8 @@ def matmul(x, w, y):
     m_rows, k = x.shape
     n = w.shape[0]
     pairs = m_rows // 2
-    prefetching = m_rows >= _PREFETCH_FROM and k >= _LANES and k % _LANES == 0  # the tile divides by k / _LANES
+    width = _step_width(w)
+    prefetching = m_rows >= _PREFETCH_FROM and k >= width and k % width == 0  # the tile divides by k / width
     # Prefetching passes take x rows up to _GROUP at a time, in groups as even as possible (AVX2: M = 8 is
     # 3 + 3 + 2, M = 4 is 2 + 2), so that each weight vector loaded meets as many x rows as the registers hold.
     passes = (m_rows + _GROUP - 1) // _GROUP
@@ -147,9 +165,10 @@ def matmul(x, w, y):
         return
     size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
     full_blocks = n // 4
-    # A pass's share of the next block's 4 k / 16 lines: a lone pass (M <= _GROUP) up to _LONE_LINES a step,
-    # each of several passes (AVX2 only, here) at most one.
-    share = min((k // 4) // passes, (_LONE_LINES if passes == 1 else 1) * (k // _LANES))
+    per_line = _LINE // w.itemsize  # weights a cache line holds: 16 float32, 32 bfloat16
+    # A pass's share of the next block's 4 k / per_line lines: a lone pass (M <= _GROUP) up to _LONE_LINES a
+    # step, each of several passes (AVX2 only, here) at most one.
+    share = min((4 * k // per_line) // passes, (_LONE_LINES if passes == 1 else 1) * (k // width))
     for block in prange((n + 3) // 4):
         o = block * 4
         if o + 4 <= n:
@@ -159,7 +178,8 @@ def matmul(x, w, y):
             elif prefetching:
                 for group in range(passes):
                     first = group * size + min(group, larger)
-                    _prefetching_pass(x, first, size + (group < larger), w, o, y, ahead + group * share * 16, share)
+                    at = ahead + group * share * per_line
+                    _prefetching_pass(x, first, size + (group < larger), w, o, y, at, share)
             else:
                 for pair in range(pairs):
                     dot_4x2(x, 2 * pair, 2 * pair + 1, w, o, 1, y, o)
@@ -176,7 +196,7 @@ def _three_row_blocks(x, w, y):
     m_rows, k = x.shape
     n = w.shape[0]
     full_blocks = n // 3
-    lines = min(3 * k // 16, 2 * (k // _LANES))
+    lines = min(3 * k // (_LINE // w.itemsize), 2 * (k // _step_width(w)))
     for block in prange((n + 2) // 3):
         o = block * 3
         if o + 3 <= n:
@@ -189,6 +209,12 @@ def _three_row_blocks(x, w, y):
             _dot_rows(x, w, o, y)
 
 
+@njit(inline="always")
+def _step_width(w):
+    """Values of K a step of a tile takes: a vector of float32 sums, or twice as many for bfloat16 pairs."""
+    return _LANES * 4 // w.itemsize
+
+
 @njit(inline="always", fastmath=True)
 def _dot_rows(x, w, first, y):
     """y[:, first:] = x . w[first:].T, one dot product at a time: the last few weight rows, past the whole blocks."""
@@ -196,7 +222,7 @@ def _dot_rows(x, w, first, y):
         for m in range(x.shape[0]):
             acc = _ZERO
             for i in range(x.shape[1]):
-                acc += x[m, i] * w[j, i]
+                acc += _as_float(x[m, i]) * _as_float(w[j, i])
             y[m, j] = acc
 
 
@@ -210,13 +236,17 @@ def _chunked_passes(x, w, y):
     stores weigh more."""
     m_rows, k = x.shape
     n = w.shape[0]
-    passes = (m_rows + _GROUP - 1) // _GROUP
+    group_rows = _GROUP - (w.itemsize == 2)
+    passes = (m_rows + group_rows - 1) // group_rows
     size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
     full_blocks = n // 4
-    chunk = 256 if passes <= 4 else 512
+    chunk = (256 if passes <= 4 else 512) * _step_width(w) // _LANES  # as many steps for bfloat16
     chunks = (k + chunk - 1) // chunk
-    # A call's share of the next block's k / 4 lines, spread over the block's calls, at most one a step.
-    share = min((k // 4 + chunks * passes - 1) // (chunks * passes), (k - (chunks - 1) * chunk) // _LANES)
+    per_line = _LINE // w.itemsize
+    block_lines = 4 * k // per_line
+    # A call's share of the next block's lines, spread over the block's calls, at most one a step.
+    last_steps = (k - (chunks - 1) * chunk) // _step_width(w)
+    share = min((block_lines + chunks * passes - 1) // (chunks * passes), last_steps)
     for stripe in prange(_STRIPES):  # runs of blocks, each with one scratch for its sums
         sums = _lined_rows(passes * 4 * _GROUP, _LANES)
         for block in range(full_blocks * stripe // _STRIPES, full_blocks * (stripe + 1) // _STRIPES):
@@ -225,7 +255,7 @@ def _chunked_passes(x, w, y):
             for c in range(chunks):
                 for group in range(passes):
                     first = group * size + min(group, larger)
-                    call = min(c * passes + group, (k // 4) // share - 1)  # the last calls prefetch again
+                    call = min(c * passes + group, block_lines // share - 1)  # the last calls prefetch again
                     _chunk_pass(
                         x,
                         first,
@@ -233,7 +263,7 @@ def _chunked_passes(x, w, y):
                         w,
                         o,
                         y,
-                        (ahead + call * share * 16, share),
+                        (ahead + call * share * per_line, share),
                         (c * chunk, min((c + 1) * chunk, k)),
                         sums[group * 4 * _GROUP :],
                     )
@@ -308,15 +338,17 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
     x_rows = [builder.gep(xs.data, [builder.mul(m, k)]) for m in rows]
     w_ptrs = [builder.gep(ws.data, [builder.mul(builder.add(o, _I64(j)), k)]) for j in range(w_rows)]
     prefetched = builder.gep(ws.data, [ahead])
+    bfloat16 = signature.args[2].dtype == types.int16  # x and w hold bfloat16 bits: a step takes 32 values of K
+    step_bits, line_bits = (_I64(_LANE_BITS + 1), _I64(5)) if bfloat16 else (_I64(_LANE_BITS), _I64(4))
     count = w_rows * columns
     zero = ir.Constant(_V, [0.0] * _LANES)
     if chunked:
-        first_step, end_step = (builder.lshr(args[i], _I64(_LANE_BITS)) for i in (7, 8))
+        first_step, end_step = (builder.lshr(args[i], step_bits) for i in (7, 8))
     else:
-        first_step, end_step = _I64(0), builder.lshr(k, _I64(_LANE_BITS))
+        first_step, end_step = _I64(0), builder.lshr(k, step_bits)
     slots = builder.mul(builder.sub(end_step, first_step), _I64(prefetches))
     per_slot = builder.sdiv(builder.shl(lines, _I64(16)), slots)  # lines a prefetch, in 1/65536ths
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V] * 3), f"llvm.fmuladd.v{_LANES}f32")
+    fma = _dpbf16(builder) if bfloat16 else _fmuladd(builder)
     prefetch = _llvm_prefetch(builder)
     head, body, done = (builder.append_basic_block(name) for name in ("head", "body", "done"))
     if chunked:  # the sums start at zero (first) or where the last chunk left them
@@ -337,10 +369,11 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
     builder.cbranch(builder.icmp_signed("<", step, end_step), body, done)
 
     builder.position_at_end(body)
-    first = builder.shl(step, _I64(_LANE_BITS))
+    first = builder.shl(step, step_bits)
+    vector = _PAIRS if bfloat16 else _V
 
     def load(row):
-        return builder.load(builder.bitcast(builder.gep(row, [first]), _V.as_pointer()), align=4)
+        return builder.load(builder.bitcast(builder.gep(row, [first]), vector.as_pointer()), align=2)
 
     if w_rows == 4:
         # Weight row by weight row: each w vector meets every x vector while those stay in registers
@@ -359,7 +392,7 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
     for i in range(prefetches):
         slot = builder.add(builder.mul(builder.sub(step, first_step), _I64(prefetches)), _I64(i))
         line = builder.ashr(builder.mul(slot, per_slot), _I64(16))
-        address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, _I64(4))]), _I8P)
+        address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, line_bits)]), _I8P)
         builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
     next_step = builder.add(step, _I64(1))
     builder.branch(head)
@@ -387,6 +420,20 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
     if chunked:
         builder.branch(end)
         builder.position_at_end(end)
+
+
+@intrinsic
+def _as_float(typingctx, weight):
+    """A weight as float32: a float32 itself, an int16 as the bfloat16 whose bits it holds (exactly)."""
+    if weight == types.float32:
+        return types.float32(weight), lambda context, builder, signature, args: args[0]
+    if weight != types.int16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _I32(16)), _F32)
+
+    return types.float32(weight), codegen
 
 
 def _is_true(builder, flag):
@@ -432,6 +479,20 @@ def _lone_pass(x, columns, w, o, y, ahead, lines):
         _lone_6(x, 0, w, o, y, ahead, lines)
 
 
+def _fmuladd(builder):
+    """sum + x * w, lane by lane (float32): LLVM's fmuladd, declared once in the builder's module."""
+    signature = ir.FunctionType(_V, [_V] * 3)
+    return cgutils.get_or_insert_function(builder.module, signature, f"llvm.fmuladd.v{_LANES}f32")
+
+
+def _dpbf16(builder):
+    """A function(x pairs, w pairs, sum) -> sum + x[2i] w[2i] + x[2i + 1] w[2i + 1] in lane i: AVX512_BF16's
+    vdpbf16ps, as inline assembly, which reads the same on every LLVM (its intrinsic's argument types have
+    changed between versions)."""
+    signature = ir.FunctionType(_V, [_PAIRS, _PAIRS, _V])
+    return ir.InlineAsm(signature, "vdpbf16ps $2, $1, $0", "=v,v,v,0")
+
+
 def _llvm_prefetch(builder):
     """LLVM's prefetch(address, rw, locality, cache type), declared once in the builder's module."""
     signature = ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32])
@@ -458,8 +519,9 @@ def dot_4x2(x, m0, m1, w, o, step, out, column):
     not arrays), each w row read once for both."""
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _ZERO
     for i in range(x.shape[1]):
-        u, v = x[m0, i], x[m1, i]
-        p0, p1, p2, p3 = w[o, i], w[o + step, i], w[o + 2 * step, i], w[o + 3 * step, i]
+        u, v = _as_float(x[m0, i]), _as_float(x[m1, i])
+        p0, p1 = _as_float(w[o, i]), _as_float(w[o + step, i])
+        p2, p3 = _as_float(w[o + 2 * step, i]), _as_float(w[o + 3 * step, i])
         a0 += u * p0
         a1 += u * p1
         a2 += u * p2
@@ -477,11 +539,11 @@ def dot_4x1(x, m, w, o, step, out, column):
     """Row m of x against four rows of w, into out[m, column:column + 4], as dot_4x2."""
     a0 = a1 = a2 = a3 = _ZERO
     for i in range(x.shape[1]):
-        u = x[m, i]
-        a0 += u * w[o, i]
-        a1 += u * w[o + step, i]
-        a2 += u * w[o + 2 * step, i]
-        a3 += u * w[o + 3 * step, i]
+        u = _as_float(x[m, i])
+        a0 += u * _as_float(w[o, i])
+        a1 += u * _as_float(w[o + step, i])
+        a2 += u * _as_float(w[o + 2 * step, i])
+        a3 += u * _as_float(w[o + 3 * step, i])
     out[m, column], out[m, column + 1], out[m, column + 2], out[m, column + 3] = a0, a1, a2, a3
 
 
@@ -495,13 +557,19 @@ def warm_up_attention() -> None:
     values = np.arange(16, dtype=np.float32).reshape(1, 4, 1, 4)
     out = np.empty_like(q)
     one = np.ones(1, np.int64)
-    attend(
-        q, keys, values, np.zeros(1, np.int64), 2 * one, np.zeros(1, np.int64), 2 * one, -one, np.ones(0, np.bool_), out
-    )
-    # Equal scores: token 0 averages keys 0-2, token 1 keys 0-3.
+    # Equal scores: token 0 averages keys 0-2, token 1 keys 0-3. Then the same cache as bfloat16 bits (its
+    # values are exact in bfloat16: the top 16 bits of their float32).
     expected = np.stack([values[0, :3, 0].mean(0), values[0, :4, 0].mean(0)])[:, None].repeat(2, 1)
-    if not np.allclose(out, expected):
-        raise RuntimeError(f"the compiled attention is wrong: {out}")
+    for k_cache, v_cache in ((keys, values), (_bfloat16_bits(keys), _bfloat16_bits(values))):
+        rows = (np.zeros(1, np.int64), 2 * one, np.zeros(1, np.int64), 2 * one, -one, np.ones(0, np.bool_))
+        attend(q, k_cache, v_cache, *rows, out)
+        if not np.allclose(out, expected):
+            raise RuntimeError(f"the compiled attention is wrong: {out}")
+
+
+def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values exact in bfloat16, as the int16 bits a bfloat16 tensor's int16 view holds."""
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
@@ -641,7 +709,7 @@ def _scores(queries, k_cache, slot, kv_head, num_keys, scores):
         for i in range(num_queries):
             dot = np.float32(0.0)
             for d in range(head_dim):
-                dot += queries[i, d] * keys[k * num_kv_heads + kv_head, d]
+                dot += queries[i, d] * _as_float(keys[k * num_kv_heads + kv_head, d])
             scores[i, k] = dot
 
 
@@ -660,17 +728,17 @@ def _weighted_values(weights, v_cache, slot, kv_head, num_keys, sums):
             w0, w1, w2, w3 = weights[i, key], weights[i, key + 1], weights[i, key + 2], weights[i, key + 3]
             for d in range(head_dim):
                 sums[i, d] += (
-                    w0 * v_cache[slot, key, kv_head, d]
-                    + w1 * v_cache[slot, key + 1, kv_head, d]
-                    + w2 * v_cache[slot, key + 2, kv_head, d]
-                    + w3 * v_cache[slot, key + 3, kv_head, d]
+                    w0 * _as_float(v_cache[slot, key, kv_head, d])
+                    + w1 * _as_float(v_cache[slot, key + 1, kv_head, d])
+                    + w2 * _as_float(v_cache[slot, key + 2, kv_head, d])
+                    + w3 * _as_float(v_cache[slot, key + 3, kv_head, d])
                 )
         key += 4
     for k in range(key, num_keys):
         for i in range(num_queries):
             weight = weights[i, k]
             for d in range(head_dim):
-                sums[i, d] += weight * v_cache[slot, k, kv_head, d]
+                sums[i, d] += weight * _as_float(v_cache[slot, k, kv_head, d])
 
 
 @njit(inline="always")
@@ -685,17 +753,19 @@ def _prefetch_keys(rows, first, share, shares, end, num_kv_heads, kv_head):
 
 @intrinsic
 def _prefetch_row(typingctx, rows, row):
-    """Prefetch into L1 every 64-byte line of rows[row] (a C-contiguous 2D float32 array)."""
+    """Prefetch into L1 every 64-byte line of rows[row] (a C-contiguous 2D float32 array, or int16: bfloat16)."""
     if rows.layout != "C":
         return None
+    line_bits = 5 if rows.dtype == types.int16 else 4  # log2 of the values a line holds
 
     def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
         width = builder.extract_value(array.shape, 1)
         start = builder.gep(array.data, [builder.mul(args[1], width)])
         prefetch = _llvm_prefetch(builder)
-        with cgutils.for_range(builder, builder.lshr(builder.add(width, _I64(15)), _I64(4))) as loop:
-            line = builder.gep(start, [builder.shl(loop.index, _I64(4))])
+        lines = builder.lshr(builder.add(width, _I64((1 << line_bits) - 1)), _I64(line_bits))
+        with cgutils.for_range(builder, lines) as loop:
+            line = builder.gep(start, [builder.shl(loop.index, _I64(line_bits))])
             builder.call(prefetch, [builder.bitcast(line, _I8P), _I32(0), _I32(_TO_L1), _I32(1)])
         return context.get_dummy_value()
 

@@ -10,6 +10,9 @@ import importlib
 import logging
 from types import ModuleType
 
+import numpy as np
+import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -28,3 +31,9 @@ def load_kernel(name: str, instead: str, warm_up: str = "warm_up") -> ModuleType
         log.warning("numba could not compile %s.%s (%s): %s", name, warm_up, error, instead)
         return None
     return module
+
+
+def kernel_array(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as the kernels read it, in place: float32 as itself, bfloat16 as its int16 bits
+    (numpy has no bfloat16; the kernels widen the bits as they load them)."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()

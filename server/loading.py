@@ -70,7 +70,7 @@ def load_target(
     prepare(target.model, kind)
     target.matmul = kind
     target.model.attention = resolve_attention(attention, device, dtype)
-    if kind == "numba" and target.model.attention == "numba":
+    if kind == "numba" and target.model.attention == "numba" and dtype == torch.float32:
         compile_layers(target.model)  # whole layers in one call: the two kernels with their glue compiled
     return target
 

@@ -2,13 +2,17 @@
 
 - `eager`: the model's own `nn.Linear` layers (MKL on CPU, cuBLAS on CUDA). The
   plain path, kept for comparison and wherever nothing faster applies.
-- `numba` (CPU, float32): the weights stay row-major, as loaded, in one copy (a
+- `numba` (CPU, float32; bfloat16 when asked): the weights stay row-major, in one copy (a
   tied LM head reads the embedding table itself). A product of up to
   `numba_max_rows()` rows (48 on AVX2, 40 on AVX-512), every decode step's and
   most verify steps', runs a numba kernel that streams the weights at memory
   speed (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on
   the same plain weights, which measured as fast as on its own packed layout.
-  q/k/v and gate/up are fused as below.
+  q/k/v and gate/up are fused as below. bfloat16 too, on CPUs with AVX512_BF16,
+  but only when asked: whole bfloat16 forwards of the 1.5B on a 2-core Zen 4
+  EPYC, in turn with `onednn`, took 1 x 1 0.77x, 1 x 5 0.92x, 8 x 1 0.97x, but
+  8 x 5 1.09x, 16 x 5 1.16x and 7 x 5 + p120 1.10x: past 40 rows the plain
+  weights run oneDNN's GEMM slower than its packed layout does.
 - `onednn` (CPU, float32 or bfloat16): every projection's weight is reordered
   once, at load, into oneDNN's blocked layout, and the original is freed, so
   memory holds one copy (a tied LM head keeps the embedding table beside its
@@ -20,9 +24,9 @@
   stacked into one weight each, so a layer launches four products, not seven,
   each over a larger weight. On an H200 the 1.5B's graphed 1-token step spent
   52 of its 125 us a layer in seven products (bench/results/2026-11-27-h200-cuda.md).
-- `auto`: on a CPU, `numba` for float32 where numba compiles, else `onednn` where
-  it is available for the dtype, else `eager`, said in one log line; elsewhere
-  (CUDA) `fused`.
+- `auto`: on a CPU, `numba` for float32 where numba compiles, else (and for
+  bfloat16) `onednn` where it is available for the dtype, else `eager`, said in
+  one log line; elsewhere (CUDA) `fused`.
 
 On the 2-core AVX2 EPYC of `bench/results/`, over a [M, 1536] x [1536, 8960]
 product: eager MKL takes 4.9 ms at M = 1 and 16 ms at M = 5, packed oneDNN
@@ -47,7 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from specedge.server.kernels import load_kernel
+from specedge.server.kernels import kernel_array, load_kernel
 
 if TYPE_CHECKING:
     from specedge.server.model import CausalLM
@@ -87,8 +91,9 @@ def layout_rows(dtype: torch.dtype) -> int:
 
 
 class PlainLinear(nn.Module):
-    """y = x @ W.T + b with W as loaded (row-major float32 on a CPU): the numba kernel for up to
-    numba_max_rows() rows, oneDNN's GEMM on the same weight for more."""
+    """y = x @ W.T + b with W as loaded (row-major float32, or bfloat16, on a CPU): the numba kernel for up to
+    numba_max_rows() rows, oneDNN's GEMM on the same weight for more. bfloat16 products sum in float32 and
+    round once, at the end, as oneDNN's do."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -96,7 +101,7 @@ class PlainLinear(nn.Module):
         # Plain attributes, not parameters: the model's state dict keeps its own names for these weights.
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
-        self._weight_rows = self.weight.numpy()  # the same memory, as the kernel takes it
+        self._weight_rows = kernel_array(self.weight)  # the same memory, as the kernel takes it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
@@ -106,11 +111,12 @@ class PlainLinear(nn.Module):
         else:
             compiled = numba_kernel()
             assert compiled is not None, "PlainLinear is built only where the kernel compiled"
-            y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
             compiled.set_threads(torch.get_num_threads())
-            compiled.matmul(x.numpy(), self._weight_rows, y.numpy())
+            compiled.matmul(kernel_array(x), self._weight_rows, y.numpy())
             if self.bias is not None:
                 y += self.bias
+            y = y.to(x.dtype)  # bfloat16: the one rounding
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -133,12 +139,16 @@ def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the numba path cannot run here, or None when it can."""
     if device.type != "cpu":
         return f"the numba kernel is for CPUs; {device.type} uses its own kernels"
-    if dtype != torch.float32:
-        return f"the numba kernel takes float32, not {str(dtype).removeprefix('torch.')}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the numba kernel takes float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN for the larger products"
-    if numba_kernel() is None:
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no bfloat16 instructions oneDNN can use for the larger products"
+    if (compiled := numba_kernel()) is None:
         return "numba is missing or could not compile its kernel (logged above)"
+    if dtype == torch.bfloat16 and not compiled.DPBF16:
+        return "the numba kernel's bfloat16 products need AVX512_BF16, which this CPU lacks"
     return None
 
 
@@ -167,6 +177,8 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     for path, unavailable in (("numba", numba_unavailable), ("onednn", onednn_unavailable)):
         if kind not in ("auto", path):
             continue
+        if kind == "auto" and path == "numba" and dtype == torch.bfloat16:
+            continue  # oneDNN's packed layout is faster from 8 x 5 on; numba in bfloat16 only when asked
         reason = unavailable(device, dtype)
         if reason is None:
             return path

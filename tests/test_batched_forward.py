@@ -8,6 +8,8 @@ baseline's bug) or padding reaching a real token would break it.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -318,6 +320,41 @@ def test_a_tree_node_gets_nothing_from_keys_it_cannot_see():
         torch.testing.assert_close(after[t], before[t], atol=0, rtol=0)  # one path, one input: bit for bit
 
 
+def test_numba_attention_reads_a_bfloat16_cache_in_place_and_rounds_once():
+    """A bfloat16 server's rows: the kernel reads the cache's bits where they lie and sums in float32, so each
+    output is the float32 attention over the same bfloat16 values, rounded to bfloat16 once. Chains, a tree and
+    a row too long for the kernel, in one call."""
+    from specedge.server import tree
+    from specedge.server.attention import compiled_rows, numba_kernel, row_attention
+
+    assert numba_kernel() is not None
+    generator = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim = 12, 2, 128  # the 1.5B's heads: a row of keys is four 64-byte lines of bfloat16
+    lengths, cached = (1, 5, 5, NUMBA_MAX_NEW + 3), (37, 200, 3, 20)
+    mask = tree.ancestor_mask((0, 0, 1, 2), 5)
+    row_masks = (None, None, mask, None)
+    k_cache = torch.randn(4, 256, kv_heads, dim, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(4, 256, kv_heads, dim, generator=generator).to(torch.bfloat16)
+    cu = (0, *itertools.accumulate(lengths))
+    q = torch.randn(cu[-1], heads, dim, generator=generator).to(torch.bfloat16)
+    num_keys = tuple(c + n for c, n in zip(cached, lengths))
+    slots = (2, 0, 3, 1)
+    layout = compiled_rows(cu, slots, num_keys, row_masks)
+    assert layout.others == (3,)
+
+    def full_mask(row: int) -> torch.Tensor:  # [new, cached + new]: every cached key, then the chain or tree
+        own = tree.ancestor_mask(None if row_masks[row] is None else (0, 0, 1, 2), lengths[row])
+        return torch.cat((torch.ones(lengths[row], cached[row], dtype=torch.bool), own), dim=1)
+
+    full_masks = tuple(full_mask(row) for row in range(4))
+    got = row_attention(q, k_cache, v_cache, cu, slots, num_keys, (None, None, None, full_masks[3]), layout)
+    assert got.dtype == torch.bfloat16
+    exact = row_attention(q.float(), k_cache.float(), v_cache.float(), cu, slots, num_keys, full_masks)
+    for row in range(3):  # the kernel's rows: float32 sums of the same values, one rounding
+        rows = slice(cu[row], cu[row + 1])
+        torch.testing.assert_close(got[rows].float(), exact[rows].to(torch.bfloat16).float(), atol=1e-5, rtol=2**-7)
+
+
 def test_the_kernel_takes_short_rows_and_leaves_long_ones_to_the_row_loop():
     """Up to 16 new tokens and 16k scores a row: a prefill chunk, or a verify round deep in a long context,
     goes to the flash kernel, which is faster there."""
@@ -340,11 +377,12 @@ def test_attention_path_is_chosen_by_device_and_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_attention("auto", cuda, torch.float32) == "flex"
     assert resolve_attention("auto", cpu, torch.float32) == "numba"
-    assert resolve_attention("auto", cpu, torch.bfloat16) == "rows"
+    assert resolve_attention("auto", cpu, torch.bfloat16) == "numba"
+    assert resolve_attention("auto", cpu, torch.float16) == "rows"
     assert resolve_attention("rows", cpu, torch.float32) == "rows"
     assert resolve_attention("flex", cpu, torch.float32) == "flex"  # allowed, for checking the layout
-    with pytest.raises(ValueError, match="--attention numba cannot run: the numba kernel takes float32, not bfloat16"):
-        resolve_attention("numba", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="--attention numba cannot run: the numba kernel takes float32 or bfloat16"):
+        resolve_attention("numba", cpu, torch.float16)
     with pytest.raises(ValueError, match="--attention numba cannot run: the numba kernel is for CPUs"):
         resolve_attention("numba", cuda, torch.float32)
     with pytest.raises(ValueError, match="unknown attention path 'paged'"):

@@ -18,6 +18,7 @@ from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
+from specedge.server.matmul import numba_unavailable
 from specedge.types import FinishReason, SamplingParams
 from specedge.v1 import specedge_pb2 as pb
 from specedge.v1 import specedge_pb2_grpc
@@ -50,14 +51,24 @@ def test_flex_attention_server_is_lossless(tiny_target_dir, tokenizer, drafter, 
             assert generate(flex_server, tokenizer, prompt, None, max_new_tokens=24).token_ids == expected
 
 
-def test_bfloat16_server_is_lossless_against_itself(tiny_target_dir, tokenizer, drafter):
-    """--dtype bfloat16 (oneDNN's bf16 kernels where the CPU has them) changes the target's numerics, so its answers
-    are compared with its own server-only decoding: speculative equals server-only, token for token."""
+@pytest.mark.parametrize("matmul", ["auto", "numba"])
+def test_bfloat16_server_is_lossless_against_itself(tiny_target_dir, tokenizer, drafter, matmul):
+    """--dtype bfloat16 (oneDNN's bf16 kernels where the CPU has them; with `numba`, the numba products, on CPUs
+    with AVX512_BF16) changes the target's numerics, so its answers are compared with its own server-only
+    decoding: speculative equals server-only, token for token. Attention takes the numba kernel in both."""
+    if matmul == "numba" and (reason := numba_unavailable(torch.device("cpu"), torch.bfloat16)):
+        pytest.skip(reason)
     config = ServerConfig(
-        model=str(tiny_target_dir), port=0, max_context=128, dtype="bfloat16", engine=EngineConfig(max_sessions=2)
+        model=str(tiny_target_dir),
+        port=0,
+        max_context=128,
+        dtype="bfloat16",
+        matmul=matmul,
+        engine=EngineConfig(max_sessions=2),
     )
     with ServerThread(config) as bf16_server:
-        assert bf16_server.server.engine.stepper.runner.kv.k[0].dtype == torch.bfloat16
+        runner = bf16_server.server.engine.stepper.runner
+        assert runner.kv.k[0].dtype == torch.bfloat16 and runner.model.attention == "numba"
         for messages in PROMPTS:
             prompt = tokenizer.apply_chat_template(messages)
             server_only = generate(bf16_server, tokenizer, prompt, None, max_new_tokens=32).token_ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -33,6 +34,29 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
     with torch.inference_mode():
         x = torch.randn(2, 5, in_features)
         torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("out_features", [7, 130])  # partial blocks of 4 and of 3 rows
+@pytest.mark.parametrize("in_features", [48, 96, 1056])  # 48: no tile (K not a multiple of 32); 1056: K in chunks
+def test_plain_linear_in_bfloat16_sums_in_float32_and_rounds_once(in_features, out_features):
+    llvm = pytest.importorskip("llvmlite.binding")  # numba's compiler
+    if not llvm.get_host_cpu_features().get("avx512bf16", False) or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("bfloat16 products need AVX512_BF16")
+    assert matmul.numba_unavailable(CPU, torch.bfloat16) is None  # a kernel that fails its warm-up fails here
+    torch.manual_seed(out_features)
+    linear = torch.nn.Linear(in_features, out_features, dtype=torch.bfloat16)
+    plain = PlainLinear(linear.weight, linear.bias)
+    weight, bias = linear.weight.double(), linear.bias.double()
+    for rows in (1, 2, 3, 5, 6, 7, 8, 11, 16, 23, numba_max_rows(), numba_max_rows() + 1):
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            y = plain(x)
+        assert y.dtype == torch.bfloat16
+        exact = x.double() @ weight.T + bias  # bfloat16 products are exact in float32; only the sums round
+        if rows <= numba_max_rows():  # the kernel's own: within a rounding of bfloat16 of the exact sum
+            torch.testing.assert_close(y.double(), exact.to(torch.bfloat16).double(), atol=1e-5, rtol=2**-7)
+        else:  # oneDNN's GEMM on the same plain weight
+            torch.testing.assert_close(y.double(), exact, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -85,11 +109,18 @@ def test_auto_chooses_by_device_and_dtype_and_names_what_cannot_run():
     assert resolve_matmul("auto", CPU, torch.float32) == "numba"
     assert resolve_matmul("eager", CPU, torch.float32) == "eager"
     assert resolve_matmul("onednn", CPU, torch.float32) == "onednn"
-    # numba's kernel is float32 only: bfloat16 goes to oneDNN where this CPU has its bfloat16 kernels.
+    # bfloat16 goes to oneDNN where this CPU has its bfloat16 kernels: its packed layout is faster from 8 x 5 on.
+    # numba takes bfloat16 only when asked, and only with AVX512_BF16.
     bf16 = "onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "eager"
     assert resolve_matmul("auto", CPU, torch.bfloat16) == bf16
-    with pytest.raises(ValueError, match="--matmul numba cannot run: the numba kernel takes float32, not bfloat16"):
-        resolve_matmul("numba", CPU, torch.bfloat16)
+    if (reason := matmul.numba_unavailable(CPU, torch.bfloat16)) is None:
+        assert resolve_matmul("numba", CPU, torch.bfloat16) == "numba"
+    else:
+        assert "AVX512_BF16" in reason or "bfloat16 instructions" in reason
+        with pytest.raises(ValueError, match=f"--matmul numba cannot run: {re.escape(reason)}"):
+            resolve_matmul("numba", CPU, torch.bfloat16)
+    with pytest.raises(ValueError, match="--matmul numba cannot run: the numba kernel takes float32 or bfloat16"):
+        resolve_matmul("numba", CPU, torch.float16)
     with pytest.raises(ValueError, match="--matmul numba cannot run: the numba kernel is for CPUs; cuda"):
         resolve_matmul("numba", torch.device("cuda"), torch.float32)
     assert resolve_matmul("auto", torch.device("cuda"), torch.float32) == "fused"
