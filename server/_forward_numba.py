@@ -236,6 +236,8 @@ def _chunked_passes(x, w, y):
     stores weigh more."""
     m_rows, k = x.shape
     n = w.shape[0]
+    # bfloat16's passes hold five x rows: vdpbf16ps takes its operands in registers, where an FMA reads its w vector
+    # from memory, and six left M = 12 at 1.34x oneDNN's time against 1.08x with five (docs/engine-cpu.md).
     group_rows = _GROUP - (w.itemsize == 2)
     passes = (m_rows + group_rows - 1) // group_rows
     size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
@@ -298,7 +300,7 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4):
 
     @intrinsic
     def tile(typingctx, x, m0, w, o, y, ahead, lines):
-        if any(array.layout != "C" for array in (x, w, y)):
+        if any(array.layout != "C" for array in (x, w, y)) or not _tile_types(x, w):
             return None  # the IR steps through rows by their length: a strided array fails to type, loudly
 
         def codegen(context, builder, signature, args):
@@ -317,7 +319,7 @@ def _chunk_tile(columns):
 
     @intrinsic
     def tile(typingctx, x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last):
-        if any(array.layout != "C" for array in (x, w, y, sums)):
+        if any(array.layout != "C" for array in (x, w, y, sums)) or not _tile_types(x, w):
             return None
 
         def codegen(context, builder, signature, args):
@@ -327,6 +329,11 @@ def _chunk_tile(columns):
         return types.none(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last), codegen
 
     return tile
+
+
+def _tile_types(x, w) -> bool:
+    """Whether a tile takes these x and w: both float32, or both bfloat16 bits where the CPU has vdpbf16ps."""
+    return x.dtype == w.dtype and (w.dtype == types.float32 or (w.dtype == types.int16 and DPBF16))
 
 
 def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked):
@@ -370,10 +377,10 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
 
     builder.position_at_end(body)
     first = builder.shl(step, step_bits)
-    vector = _PAIRS if bfloat16 else _V
+    vector, alignment = (_PAIRS, 2) if bfloat16 else (_V, 4)
 
     def load(row):
-        return builder.load(builder.bitcast(builder.gep(row, [first]), vector.as_pointer()), align=2)
+        return builder.load(builder.bitcast(builder.gep(row, [first]), vector.as_pointer()), align=alignment)
 
     if w_rows == 4:
         # Weight row by weight row: each w vector meets every x vector while those stay in registers
@@ -423,17 +430,17 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
 
 
 @intrinsic
-def _as_float(typingctx, weight):
-    """A weight as float32: a float32 itself, an int16 as the bfloat16 whose bits it holds (exactly)."""
-    if weight == types.float32:
-        return types.float32(weight), lambda context, builder, signature, args: args[0]
-    if weight != types.int16:
+def _as_float(typingctx, value):
+    """A value as float32: a float32 itself, an int16 as the bfloat16 whose bits it holds (exactly)."""
+    if value == types.float32:
+        return types.float32(value), lambda context, builder, signature, args: args[0]
+    if value != types.int16:
         return None
 
     def codegen(context, builder, signature, args):
         return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _I32(16)), _F32)
 
-    return types.float32(weight), codegen
+    return types.float32(value), codegen
 
 
 def _is_true(builder, flag):
