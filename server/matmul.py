@@ -10,9 +10,9 @@
   the same plain weights, which measured as fast as on its own packed layout.
   q/k/v and gate/up are fused as below. bfloat16 too, on CPUs with AVX512_BF16,
   but only when asked: whole bfloat16 forwards of the 1.5B on a 2-core Zen 4
-  EPYC, in turn with `onednn`, took 1 x 1 0.77x, 1 x 5 0.92x, 8 x 1 0.97x, but
-  8 x 5 1.09x, 16 x 5 1.16x and 7 x 5 + p120 1.10x: past 40 rows the plain
-  weights run oneDNN's GEMM slower than its packed layout does.
+  EPYC, in turn with `onednn`, took 1 x 1 0.74-0.77x, 1 x 5 0.92-0.98x, 8 x 1
+  0.97-1.07x, but 8 x 5 1.09x, 16 x 5 1.16x and 7 x 5 + p120 1.10x: past 40 rows
+  the plain weights run oneDNN's GEMM slower than its packed layout does.
 - `onednn` (CPU, float32 or bfloat16): every projection's weight is reordered
   once, at load, into oneDNN's blocked layout, and the original is freed, so
   memory holds one copy (a tied LM head keeps the embedding table beside its
