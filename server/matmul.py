@@ -2,12 +2,13 @@
 
 - `eager`: the model's own `nn.Linear` layers (MKL on CPU, cuBLAS on CUDA). The
   plain path, kept for comparison and wherever nothing faster applies.
-- `numba` (CPU, float32; bfloat16 when asked): the weights stay row-major, in one copy (a
-  tied LM head reads the embedding table itself). A product of up to
-  `numba_max_rows()` rows (48 on AVX2, 40 on AVX-512), every decode step's and
-  most verify steps', runs a numba kernel that streams the weights at memory
-  speed (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on
-  the same plain weights, which measured as fast as on its own packed layout.
+- `numba` (CPU, float32; bfloat16 when asked): the weights stay row-major, as
+  loaded, in one copy (a tied LM head reads the embedding table itself). A
+  product of up to `numba_max_rows()` rows (48 on AVX2, 40 on AVX-512), every
+  decode step's and most verify steps', runs a numba kernel that streams the
+  weights at memory speed (server/_forward_numba.py); a larger one (prefill)
+  runs oneDNN's GEMM on the same plain weights, which measured as fast as on
+  its own packed layout (in float32).
   q/k/v and gate/up are fused as below. bfloat16 too, on CPUs with AVX512_BF16,
   but only when asked: whole bfloat16 forwards of the 1.5B on a 2-core Zen 4
   EPYC, in turn with `onednn`, took 1 x 1 0.74-0.77x, 1 x 5 0.92-0.98x, 8 x 1
