@@ -122,25 +122,36 @@ _STRIPES = 64  # runs of blocks the chunked passes share among the threads
 def warm_up() -> None:
     """Compile the three kernels, or load them from numba's cache, and check a known answer from each.
     The layer calls the other two, so server/layer_kernel.py warms all three; the product and the
-    attention warm only their own (warm_up_matmul, warm_up_attention)."""
+    attention warm only their own (warm_up_matmul, warm_up_attention). Each is float32's: bfloat16's
+    products and attention compile only for a server that runs them (the *_bfloat16 warm-ups)."""
     warm_up_matmul()
     warm_up_attention()
     warm_up_layer()
 
 
 def warm_up_matmul() -> None:
-    # The plain loops, then prefetching passes of every size (AVX2: 2 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2;
-    # AVX-512: 4 alone, the 3 x 7 and 3 x 8 tiles, 6 + 5; on Zen 4 also 1 and 2 alone).
-    # With AVX512_BF16 the same for bfloat16 (1.0 is 0x3F80), whose steps take twice the columns.
+    _check_products(_ONE)
+
+
+def warm_up_matmul_bfloat16() -> None:
+    """bfloat16's products (AVX512_BF16 only): compiling them took a first start on a 2-core Zen 4 EPYC from 7.8
+    to 14.5 s, so only a bfloat16 server pays it."""
+    if not DPBF16:
+        raise RuntimeError("bfloat16 products need AVX512_BF16")
+    _check_products(np.int16(0x3F80))  # 1.0 in bfloat16
+
+
+def _check_products(one) -> None:
+    """All-ones products of every pass the kernel has, in one's type: the plain loops, then prefetching passes of
+    every size (AVX2: 2 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4 alone, the 3 x 7 and 3 x 8 tiles,
+    6 + 5 (bfloat16: 4 + 4 + 3); on Zen 4 also 1 and 2 alone). 64 columns: two of bfloat16's steps."""
     shapes = ((3, 5), (1, 4 * _LANES), (2, 4 * _LANES), (4, 4 * _LANES), (7, 4 * _LANES), (8, 4 * _LANES))
-    ones = ((np.float32, _ONE), (np.int16, np.int16(0x3F80))) if DPBF16 else ((np.float32, _ONE),)
-    for dtype, one in ones:
-        for rows, columns in (*shapes, (11, 4 * _LANES)):
-            x, w = np.full((rows, columns), one, dtype), np.full((6, columns), one, dtype)
-            y = np.empty((rows, 6), np.float32)
-            matmul(x, w, y)
-            if not np.array_equal(y, np.full((rows, 6), columns, np.float32)):
-                raise RuntimeError(f"the compiled product is wrong: {y}")
+    for rows, columns in (*shapes, (11, 4 * _LANES)):
+        x, w = np.full((rows, columns), one), np.full((6, columns), one)
+        y = np.empty((rows, 6), np.float32)
+        matmul(x, w, y)
+        if not np.array_equal(y, np.full((rows, 6), columns, np.float32)):
+            raise RuntimeError(f"the compiled product is wrong: {y}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -559,24 +570,26 @@ def dot_4x1(x, m, w, o, step, out, column):
 
 
 def warm_up_attention() -> None:
+    _check_attention(lambda cache: cache)
+
+
+def warm_up_attention_bfloat16() -> None:
+    # The cache as bfloat16 bits: its values are exact in bfloat16, the top 16 bits of their float32.
+    _check_attention(lambda cache: (cache.view(np.uint32) >> 16).astype(np.uint16).view(np.int16))
+
+
+def _check_attention(as_cache) -> None:
+    """Equal scores: token 0 averages keys 0-2, token 1 keys 0-3, with the cache as as_cache(float32 values)."""
     q = np.zeros((2, 2, 4), np.float32)  # two tokens of a chain, two heads sharing one KV head
     keys = np.zeros((1, 4, 1, 4), np.float32)
     values = np.arange(16, dtype=np.float32).reshape(1, 4, 1, 4)
     out = np.empty_like(q)
     one = np.ones(1, np.int64)
-    # Equal scores: token 0 averages keys 0-2, token 1 keys 0-3. Then the same cache as bfloat16 bits (its
-    # values are exact in bfloat16: the top 16 bits of their float32).
+    rows = (np.zeros(1, np.int64), 2 * one, np.zeros(1, np.int64), 2 * one, -one, np.ones(0, np.bool_))
+    attend(q, as_cache(keys), as_cache(values), *rows, out)
     expected = np.stack([values[0, :3, 0].mean(0), values[0, :4, 0].mean(0)])[:, None].repeat(2, 1)
-    for k_cache, v_cache in ((keys, values), (_bfloat16_bits(keys), _bfloat16_bits(values))):
-        rows = (np.zeros(1, np.int64), 2 * one, np.zeros(1, np.int64), 2 * one, -one, np.ones(0, np.bool_))
-        attend(q, k_cache, v_cache, *rows, out)
-        if not np.allclose(out, expected):
-            raise RuntimeError(f"the compiled attention is wrong: {out}")
-
-
-def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 values exact in bfloat16, as the int16 bits a bfloat16 tensor's int16 view holds."""
-    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+    if not np.allclose(out, expected):
+        raise RuntimeError(f"the compiled attention is wrong: {out}")
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)

@@ -92,7 +92,15 @@ def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"the numba kernel takes float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
     if numba_kernel() is None:
         return "numba is missing or could not compile its attention kernel (logged above)"
+    if dtype == torch.bfloat16 and numba_bfloat16_kernel() is None:
+        return "numba could not compile its attention over a bfloat16 cache (logged above)"
     return None
+
+
+@functools.cache
+def numba_bfloat16_kernel() -> ModuleType | None:
+    """The attention kernel compiled for a bfloat16 cache too (a bfloat16 server's only), or None."""
+    return load_kernel("_forward_numba", "bfloat16 attention runs one call per row", "warm_up_attention_bfloat16")
 
 
 @functools.cache

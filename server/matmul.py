@@ -150,7 +150,15 @@ def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         return "numba is missing or could not compile its kernel (logged above)"
     if dtype == torch.bfloat16 and not compiled.DPBF16:
         return "the numba kernel's bfloat16 products need AVX512_BF16, which this CPU lacks"
+    if dtype == torch.bfloat16 and numba_bfloat16_kernel() is None:
+        return "numba could not compile the kernel's bfloat16 products (logged above)"
     return None
+
+
+@functools.cache
+def numba_bfloat16_kernel() -> ModuleType | None:
+    """The kernel with its bfloat16 products compiled too (a bfloat16 server's only), or None."""
+    return load_kernel("_forward_numba", "bfloat16 products take another path", "warm_up_matmul_bfloat16")
 
 
 def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -174,13 +182,12 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
         return kind
     if kind == "auto" and device.type != "cpu":
         return "fused"
+    unavailable = {"numba": numba_unavailable, "onednn": onednn_unavailable}
+    # auto tries numba, then onednn; for bfloat16 onednn alone, whose packed layout is faster from 8 x 5 on.
+    tried = [kind] if kind != "auto" else ["onednn"] if dtype == torch.bfloat16 else ["numba", "onednn"]
     reasons = {}
-    for path, unavailable in (("numba", numba_unavailable), ("onednn", onednn_unavailable)):
-        if kind not in ("auto", path):
-            continue
-        if kind == "auto" and path == "numba" and dtype == torch.bfloat16:
-            continue  # oneDNN's packed layout is faster from 8 x 5 on; numba in bfloat16 only when asked
-        reason = unavailable(device, dtype)
+    for path in tried:
+        reason = unavailable[path](device, dtype)
         if reason is None:
             return path
         if kind == path:
