@@ -111,6 +111,10 @@ _I8P = ir.IntType(8).as_pointer()
 _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
 _PREFETCH_FROM = 1 if _ZEN_AVX512 else 3  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
+# The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of
+# it elsewhere. Every product of the 1.5B at M = 7-8 in turn on a 2-core Zen 4 EPYC, both with the fence of the
+# 3 x 8 tile (_step_fence), took 0.77-0.87x the time of the tiles before them (docs/engine-cpu.md).
+_THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
@@ -203,11 +207,12 @@ def matmul(x, w, y):
 @njit(parallel=True, fastmath=True, cache=True)
 def _three_row_blocks(x, w, y):
     """matmul for M = 7 or 8 on AVX-512 (K a multiple of 16): blocks of three weight rows, each in one pass of the
-    3 x M tile, which prefetches two thirds of the next block, two lines a step."""
+    3 x M tile, which prefetches _THREE_ROW_LINES lines a step of the next block (all of it on Zen 4, two thirds
+    elsewhere)."""
     m_rows, k = x.shape
     n = w.shape[0]
     full_blocks = n // 3
-    lines = min(3 * k // (_LINE // w.itemsize), 2 * (k // _step_width(w)))
+    lines = min(3 * k // (_LINE // w.itemsize), _THREE_ROW_LINES * (k // _step_width(w)))
     for block in prange((n + 2) // 3):
         o = block * 3
         if o + 3 <= n:
@@ -407,13 +412,17 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
             u = load(row)
             for j in range(w_rows):
                 new[j * columns + c] = builder.call(fma, [u, p[j], sums[j * columns + c]])
+    if w_rows == 3 and columns == 8:
+        _step_fence(builder)
     for i in range(prefetches):
         slot = builder.add(builder.mul(builder.sub(step, first_step), _I64(prefetches)), _I64(i))
         line = builder.ashr(builder.mul(slot, per_slot), _I64(16))
         address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, line_bits)]), _I8P)
         builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
     next_step = builder.add(step, _I64(1))
-    builder.branch(head)
+    back = builder.branch(head)
+    if chunked:
+        back.set_metadata("llvm.loop", _no_unrolling(builder.module))
     for block, values in starts:
         step.add_incoming(first_step, block)
         for total, value in zip(sums, values):
@@ -440,6 +449,26 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
         builder.position_at_end(end)
 
 
+def _step_fence(builder):
+    """An empty instruction that no load crosses, at the end of the 3 x 8 tile's step. LLVM unrolls the loop by
+    two and used to load the next step's x vectors early: with 24 sums and three w vectors held, they outgrew the
+    32 registers, and it spilled sums and x vectors to the stack every step. On a 2-core Zen 4 EPYC, in turn over
+    24 [8958, 1536] weights, M = 8 took 1.5-2.4x a read of them, a C twin of the tile that GCC kept in registers
+    1.1-1.4x; with the fence 0.95-1.5x, as the twin (docs/engine-cpu.md). The 3 x 7 tile has the registers."""
+    builder.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], side_effect=True)
+
+
+def _no_unrolling(module):
+    """Loop metadata that keeps LLVM from unrolling a loop: the chunked tiles'. They kept their sums in registers
+    unrolled too, yet without unrolling M = 12-16 took 0.92-0.97x the time at K = 1536 and 0.93-1.01x at K = 8960
+    (2-core Zen 4 EPYC, in turn, two runs each). A loop's metadata names itself first, and is its own: each loop
+    gets a new node."""
+    unroll = module.add_metadata(["llvm.loop.unroll.disable"])
+    loop = module.add_metadata([unroll, f"specedge tile loop {len(module.metadata)}"])  # a new key: a new node
+    loop.operands = (loop, unroll)
+    return loop
+
+
 @intrinsic
 def _as_float(typingctx, value):
     """A value as float32: a float32 itself, an int16 as the bfloat16 whose bits it holds (exactly)."""
@@ -461,7 +490,7 @@ def _is_true(builder, flag):
 
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
 _lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (_prefetching_tile(c, _LONE_LINES) for c in range(1, 7))
-_tile_3x7, _tile_3x8 = (_prefetching_tile(columns, 2, 3) for columns in (7, 8))
+_tile_3x7, _tile_3x8 = (_prefetching_tile(columns, _THREE_ROW_LINES, 3) for columns in (7, 8))
 _chunk_2, _chunk_3, _chunk_4, _chunk_5, _chunk_6 = (_chunk_tile(columns) for columns in range(2, 7))
 
 
