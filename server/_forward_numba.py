@@ -450,11 +450,13 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
 
 
 def _step_fence(builder):
-    """An empty instruction that no load crosses, at the end of the 3 x 8 tile's step. LLVM unrolls the loop by
-    two and used to load the next step's x vectors early: with 24 sums and three w vectors held, they outgrew the
-    32 registers, and it spilled sums and x vectors to the stack every step. On a 2-core Zen 4 EPYC, in turn over
-    24 [8958, 1536] weights, M = 8 took 1.5-2.4x a read of them, a C twin of the tile that GCC kept in registers
-    1.1-1.4x; with the fence 0.95-1.5x, as the twin (docs/engine-cpu.md). The 3 x 7 tile has the registers."""
+    """An empty instruction that no load crosses, at the end of the 3 x 8 tile's step. Without it LLVM unrolled the
+    loop by two and loaded the next step's x vectors early: with 24 sums and three w vectors held, they outgrew the
+    32 registers, and it spilled sums and x vectors to the stack every step. With it the loop is neither unrolled
+    nor spilled. On a 2-core Zen 4 EPYC, in turn over 24 [35838, 1536] weights at 30-35 GB/s, M = 8 took 1.4-2.3x
+    a read of them, and a C twin of the tile that GCC keeps in registers (scripts/tile_twin.c) 1.1-1.4x; with the
+    fence 1.0-1.2x, as the twin, and 0.92-0.99x the time of the loop with unrolling merely disabled. The 3 x 7
+    tile, unrolled, spills less and ran 1.01-1.13x slower fenced, so it keeps its loop (docs/engine-cpu.md)."""
     builder.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], side_effect=True)
 
 
