@@ -112,8 +112,8 @@ _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
 _PREFETCH_FROM = 1 if _ZEN_AVX512 else 3  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 # The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of
-# it elsewhere. Every product of the 1.5B at M = 7-8 in turn on a 2-core Zen 4 EPYC, both with the fence of the
-# 3 x 8 tile (_step_fence), took 0.77-0.87x the time of the tiles before them (docs/engine-cpu.md).
+# it elsewhere. With the 3 x 8 tile's fence (_step_fence), every product of the 1.5B in turn with the tiles before
+# them on a 2-core Zen 4 EPYC: M = 7 0.77-0.87x the time, M = 8 0.59-0.88x (docs/engine-cpu.md).
 _THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
@@ -455,7 +455,7 @@ def _step_fence(builder):
     32 registers, and it spilled sums and x vectors to the stack every step. With it the loop is neither unrolled
     nor spilled. On a 2-core Zen 4 EPYC, in turn over 24 [35838, 1536] weights at 30-35 GB/s, M = 8 took 1.4-2.3x
     a read of them, and a C twin of the tile that GCC keeps in registers (scripts/tile_twin.c) 1.1-1.4x; with the
-    fence 1.0-1.2x, as the twin, and 0.92-0.99x the time of the loop with unrolling merely disabled. The 3 x 7
+    fence 0.95-1.15x, as the twin, and 0.92-0.99x the time of the loop with unrolling merely disabled. The 3 x 7
     tile, unrolled, spills less and ran 1.01-1.13x slower fenced, so it keeps its loop (docs/engine-cpu.md)."""
     builder.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], side_effect=True)
 
