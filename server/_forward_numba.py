@@ -115,6 +115,10 @@ _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lon
 # it elsewhere. With the 3 x 8 tile's fence (_step_fence), every product of the 1.5B in turn with the tiles before
 # them on a 2-core Zen 4 EPYC: M = 7 0.77-0.87x the time, M = 8 0.59-0.88x (docs/engine-cpu.md).
 _THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
+# Lines a step of a chunked pass (M > _GROUP) may prefetch. At one, M = 9-18 (two or three passes) prefetched only
+# half to three quarters of the next block; on Zen 4 two let them take all of it: in turn over 24 [35838, 1536]
+# weights, M = 10-12 0.76-0.82x the time, M = 16 0.87-0.89x, 24 0.94x, 40 0.99x (docs/engine-cpu.md).
+_CHUNK_LINES = 2 if _ZEN_AVX512 else 1
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
@@ -262,9 +266,9 @@ def _chunked_passes(x, w, y):
     chunks = (k + chunk - 1) // chunk
     per_line = _LINE // w.itemsize
     block_lines = 4 * k // per_line
-    # A call's share of the next block's lines, spread over the block's calls, at most one a step.
+    # A call's share of the next block's lines, spread over the block's calls, at most _CHUNK_LINES a step.
     last_steps = (k - (chunks - 1) * chunk) // _step_width(w)
-    share = min((block_lines + chunks * passes - 1) // (chunks * passes), last_steps)
+    share = min((block_lines + chunks * passes - 1) // (chunks * passes), _CHUNK_LINES * last_steps)
     for stripe in prange(_STRIPES):  # runs of blocks, each with one scratch for its sums
         sums = _lined_rows(passes * 4 * _GROUP, _LANES)
         for block in range(full_blocks * stripe // _STRIPES, full_blocks * (stripe + 1) // _STRIPES):
@@ -339,7 +343,7 @@ def _chunk_tile(columns):
             return None
 
         def codegen(context, builder, signature, args):
-            _tile_ir(context, builder, signature, args, columns, 1, 4, chunked=True)
+            _tile_ir(context, builder, signature, args, columns, _CHUNK_LINES, 4, chunked=True)
             return context.get_dummy_value()
 
         return types.none(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last), codegen
