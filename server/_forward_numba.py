@@ -17,7 +17,7 @@ weights at or near the machine's memory speed, where oneDNN and MKL reach 50-85%
 blocked GEMM reuses each weight over many more rows (MAX_ROWS). From three x rows
 on (on Zen 4 from one), passes take x up to _GROUP rows at a time, in groups as even
 as the rows allow, and each pass prefetches its share of the next block's lines, one
-line every step or two (on Zen 4 a lone pass, all of them), so that a pass reading
+line every step or two (on Zen 4 the whole next block, up to four lines a step), so that a pass reading
 its block from cache does not leave the memory idle.
 With AVX2 a pass holds three x rows (a 4 x 3 tile of 8-lane sums: twelve sums, three
 x vectors and one w vector in the sixteen registers): M = 3 makes one pass over a
