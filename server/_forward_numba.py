@@ -311,12 +311,12 @@ def _chunk_pass(x, m0, columns, w, o, y, prefetching, span, sums):
         _chunk_6(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
 
 
-def _prefetching_tile(columns, prefetches=1, w_rows=4):
+def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False):
     """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + w_rows] = those rows of x
     [M, K] . rows o..o + w_rows - 1 of w [N, K] (float32, C order, K a multiple of the lanes), a vector a step,
     while prefetching `lines` (<= prefetches * K / lanes) 64-byte lines from w.ravel()[ahead:], evenly spread over
-    the steps, `prefetches` instructions a step. dot_4x2's loop for `columns` x rows, written in IR so that the
-    prefetch does not stop it vectorizing."""
+    the steps, `prefetches` instructions a step; `fenced`, each step ending in _step_fence. dot_4x2's loop for
+    `columns` x rows, written in IR so that the prefetch does not stop it vectorizing."""
 
     @intrinsic
     def tile(typingctx, x, m0, w, o, y, ahead, lines):
@@ -324,7 +324,7 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4):
             return None  # the IR steps through rows by their length: a strided array fails to type, loudly
 
         def codegen(context, builder, signature, args):
-            _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked=False)
+            _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked=False, fenced=fenced)
             return context.get_dummy_value()
 
         return types.none(x, m0, w, o, y, ahead, lines), codegen
@@ -356,8 +356,9 @@ def _tile_types(x, w) -> bool:
     return x.dtype == w.dtype and (w.dtype == types.float32 or (w.dtype == types.int16 and DPBF16))
 
 
-def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked):
-    """The IR of a tile (_prefetching_tile's, or with `chunked` _chunk_tile's) at the builder."""
+def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked, fenced=False):
+    """The IR of a tile (_prefetching_tile's, or with `chunked` _chunk_tile's) at the builder; `fenced` as
+    _prefetching_tile takes it."""
     xs, ws, ys = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
     m0, o, ahead, lines = args[1], args[3], args[5], args[6]
     k, n = builder.extract_value(xs.shape, 1), builder.extract_value(ys.shape, 1)
@@ -416,7 +417,7 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
             u = load(row)
             for j in range(w_rows):
                 new[j * columns + c] = builder.call(fma, [u, p[j], sums[j * columns + c]])
-    if w_rows == 3 and columns == 8:
+    if fenced:
         _step_fence(builder)
     for i in range(prefetches):
         slot = builder.add(builder.mul(builder.sub(step, first_step), _I64(prefetches)), _I64(i))
@@ -496,7 +497,8 @@ def _is_true(builder, flag):
 
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
 _lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (_prefetching_tile(c, _LONE_LINES) for c in range(1, 7))
-_tile_3x7, _tile_3x8 = (_prefetching_tile(columns, _THREE_ROW_LINES, 3) for columns in (7, 8))
+_tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3)
+_tile_3x8 = _prefetching_tile(8, _THREE_ROW_LINES, 3, fenced=True)  # _step_fence
 _chunk_2, _chunk_3, _chunk_4, _chunk_5, _chunk_6 = (_chunk_tile(columns) for columns in range(2, 7))
 
 
