@@ -18,7 +18,8 @@ blocked GEMM reuses each weight over many more rows (MAX_ROWS). From three x row
 on (on Zen 4 from one), passes take x up to _GROUP rows at a time, in groups as even
 as the rows allow, and each pass prefetches its share of the next block's lines, one
 line every step or two (on Zen 4 the whole next block, up to four lines a step), so that a pass reading
-its block from cache does not leave the memory idle.
+its block from cache does not leave the memory idle. On Zen 4, M = 1 reads w a row at a time
+instead (_row_by_row), each thread's share one stream for the hardware's prefetcher.
 With AVX2 a pass holds three x rows (a 4 x 3 tile of 8-lane sums: twelve sums, three
 x vectors and one w vector in the sixteen registers): M = 3 makes one pass over a
 block instead of two (0.90-0.92x the time), M = 8 three instead of four (0.96x the
@@ -119,6 +120,13 @@ _THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
 # half to three quarters of the next block; on Zen 4 two let them take all of it: in turn over 24 [35838, 1536]
 # weights, M = 10-12 0.76-0.82x the time, M = 16 0.87-0.89x, 24 0.94x, 40 0.99x (docs/engine-cpu.md).
 _CHUNK_LINES = 2 if _ZEN_AVX512 else 1
+# M = 1 on Zen 4 reads w a row at a time, in memory order (_row_by_row), where the lone pass reads four rows at once
+# and prefetches the next four. Over 16 [35838, 1536] weights in turn with the lone pass, with the memory streaming at
+# 41-56 GB/s, it took 0.83-0.85x the time (0.90-0.91x a read of them, against 1.09-1.10x); at 27-31 GB/s 0.94-0.98x;
+# bfloat16 0.83-0.92x. Its x row is read again for every w row: at K = 8960 (35 KB of x, more than L1 holds) it
+# took 1.36-1.40x, so such products keep the lone pass (docs/engine-cpu.md).
+_ROW_BY_ROW = _ZEN_AVX512
+_ROW_BY_ROW_BYTES = 16384  # the largest x row _row_by_row takes: half of Zen 4's 32 KB L1
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
@@ -152,9 +160,11 @@ def warm_up_matmul_bfloat16() -> None:
 def _check_products(one) -> None:
     """All-ones products of every pass the kernel has, in one's type: the plain loops, then prefetching passes of
     every size (AVX2: 2 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4 alone, the 3 x 7 and 3 x 8 tiles,
-    6 + 5 (bfloat16: 4 + 4 + 3); on Zen 4 also 1 and 2 alone). 64 columns: two of bfloat16's steps."""
+    6 + 5 (bfloat16: 4 + 4 + 3); on Zen 4 also 1 row by row, 1 alone (x past _ROW_BY_ROW_BYTES) and 2 alone).
+    64 columns: two of bfloat16's steps."""
     shapes = ((3, 5), (1, 4 * _LANES), (2, 4 * _LANES), (4, 4 * _LANES), (7, 4 * _LANES), (8, 4 * _LANES))
-    for rows, columns in (*shapes, (11, 4 * _LANES)):
+    long_row = (1, _ROW_BY_ROW_BYTES // np.dtype(type(one)).itemsize + 4 * _LANES)
+    for rows, columns in (*shapes, long_row, (11, 4 * _LANES)):
         x, w = np.full((rows, columns), one), np.full((6, columns), one)
         y = np.empty((rows, 6), np.float32)
         matmul(x, w, y)
@@ -176,6 +186,9 @@ def matmul(x, w, y):
     # Prefetching passes take x rows up to _GROUP at a time, in groups as even as possible (AVX2: M = 8 is
     # 3 + 3 + 2, M = 4 is 2 + 2), so that each weight vector loaded meets as many x rows as the registers hold.
     passes = (m_rows + _GROUP - 1) // _GROUP
+    if _ROW_BY_ROW and m_rows == 1 and k % width == 0 and k * x.itemsize <= _ROW_BY_ROW_BYTES:
+        _row_by_row(x, w, y)
+        return
     if _AVX512 and prefetching and (m_rows == 7 or m_rows == 8):
         _three_row_blocks(x, w, y)
         return
@@ -206,6 +219,15 @@ def matmul(x, w, y):
                     dot_4x1(x, m_rows - 1, w, o, 1, y, o)
         else:  # the last 1-3 weight rows
             _dot_rows(x, w, o, y)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _row_by_row(x, w, y):
+    """matmul for M = 1 on Zen 4 (K a multiple of the step, x within _ROW_BY_ROW_BYTES): one weight row after
+    another, so that each thread's share of w is one stream in memory order. The sums are the 4-row tiles' (one
+    vector over K, then across its lanes), so the bits are the same."""
+    for j in prange(w.shape[0]):
+        _tile_1x1(x, 0, w, j, y, 0, 0)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -315,8 +337,8 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False):
     """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + w_rows] = those rows of x
     [M, K] . rows o..o + w_rows - 1 of w [N, K] (float32, C order, K a multiple of the lanes), a vector a step,
     while prefetching `lines` (<= prefetches * K / lanes) 64-byte lines from w.ravel()[ahead:], evenly spread over
-    the steps, `prefetches` instructions a step; `fenced`, each step ending in _step_fence. dot_4x2's loop for
-    `columns` x rows, written in IR so that the prefetch does not stop it vectorizing."""
+    the steps, `prefetches` instructions a step (none at 0); `fenced`, each step ending in _step_fence. dot_4x2's
+    loop for `columns` x rows, written in IR so that the prefetch does not stop it vectorizing."""
 
     @intrinsic
     def tile(typingctx, x, m0, w, o, y, ahead, lines):
@@ -374,8 +396,9 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
         first_step, end_step = (builder.lshr(args[i], step_bits) for i in (7, 8))
     else:
         first_step, end_step = _I64(0), builder.lshr(k, step_bits)
-    slots = builder.mul(builder.sub(end_step, first_step), _I64(prefetches))
-    per_slot = builder.sdiv(builder.shl(lines, _I64(16)), slots)  # lines a prefetch, in 1/65536ths
+    if prefetches:  # (none: the tile reads a lone row, and the hardware prefetches it)
+        slots = builder.mul(builder.sub(end_step, first_step), _I64(prefetches))
+        per_slot = builder.sdiv(builder.shl(lines, _I64(16)), slots)  # lines a prefetch, in 1/65536ths
     fma = _dpbf16(builder) if bfloat16 else _fmuladd(builder)
     prefetch = _llvm_prefetch(builder)
     head, body, done = (builder.append_basic_block(name) for name in ("head", "body", "done"))
@@ -497,6 +520,7 @@ def _is_true(builder, flag):
 
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
 _lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (_prefetching_tile(c, _LONE_LINES) for c in range(1, 7))
+_tile_1x1 = _prefetching_tile(1, 0, 1)  # _row_by_row's: one w row, one x row, no prefetch
 _tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3)
 _tile_3x8 = _prefetching_tile(8, _THREE_ROW_LINES, 3, fenced=True)  # _step_fence
 _chunk_2, _chunk_3, _chunk_4, _chunk_5, _chunk_6 = (_chunk_tile(columns) for columns in range(2, 7))
