@@ -127,6 +127,11 @@ _CHUNK_LINES = 2 if _ZEN_AVX512 else 1
 # took 1.36-1.40x, so such products keep the lone pass (docs/engine-cpu.md).
 _ROW_BY_ROW = _ZEN_AVX512
 _ROW_BY_ROW_BYTES = 16384  # the largest x row _row_by_row takes: half of Zen 4's 32 KB L1
+# On Zen 4 the lone passes of _LONE_AHEAD_FROM x rows on prefetch each of their four w rows _LONE_AHEAD lines
+# ahead (on into the next block's rows), rather than the next block line by line: at 52-63 GB/s M = 5 took
+# 0.87-0.90x the time, M = 6 0.91-0.95x, while M = 2-4 gained nothing or lost up to 5% (docs/engine-cpu.md).
+_LONE_AHEAD = 32 if _ZEN_AVX512 else 0
+_LONE_AHEAD_FROM = 5
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
@@ -159,12 +164,12 @@ def warm_up_matmul_bfloat16() -> None:
 
 def _check_products(one) -> None:
     """All-ones products of every pass the kernel has, in one's type: the plain loops, then prefetching passes of
-    every size (AVX2: 2 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4 alone, the 3 x 7 and 3 x 8 tiles,
-    6 + 5 (bfloat16: 4 + 4 + 3); on Zen 4 also 1 row by row, 1 alone (x past _ROW_BY_ROW_BYTES) and 2 alone).
-    64 columns: two of bfloat16's steps."""
-    shapes = ((3, 5), (1, 4 * _LANES), (2, 4 * _LANES), (4, 4 * _LANES), (7, 4 * _LANES), (8, 4 * _LANES))
+    every size (AVX2: 2 + 2, 3 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4 and 5 alone, the 3 x 7 and 3 x 8
+    tiles, 6 + 5 (bfloat16: 4 + 4 + 3); on Zen 4 also 1 row by row, 1 alone (x past _ROW_BY_ROW_BYTES) and 2
+    alone). 64 columns: two of bfloat16's steps."""
+    shapes = ((3, 5), (1, 4 * _LANES), (2, 4 * _LANES), (4, 4 * _LANES), (5, 4 * _LANES), (7, 4 * _LANES))
     long_row = (1, _ROW_BY_ROW_BYTES // np.dtype(type(one)).itemsize + 4 * _LANES)
-    for rows, columns in (*shapes, long_row, (11, 4 * _LANES)):
+    for rows, columns in (*shapes, (8, 4 * _LANES), long_row, (11, 4 * _LANES)):
         x, w = np.full((rows, columns), one), np.full((6, columns), one)
         y = np.empty((rows, 6), np.float32)
         matmul(x, w, y)
@@ -333,12 +338,14 @@ def _chunk_pass(x, m0, columns, w, o, y, prefetching, span, sums):
         _chunk_6(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
 
 
-def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False):
+def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead=0):
     """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + w_rows] = those rows of x
     [M, K] . rows o..o + w_rows - 1 of w [N, K] (float32, C order, K a multiple of the lanes), a vector a step,
     while prefetching `lines` (<= prefetches * K / lanes) 64-byte lines from w.ravel()[ahead:], evenly spread over
-    the steps, `prefetches` instructions a step (none at 0); `fenced`, each step ending in _step_fence. dot_4x2's
-    loop for `columns` x rows, written in IR so that the prefetch does not stop it vectorizing."""
+    the steps, `prefetches` instructions a step (none at 0); `fenced`, each step ending in _step_fence. With
+    `steps_ahead`, a step instead prefetches each w row's line that many steps on, and past a row's end the same
+    line of the same row in the block at `ahead` (`prefetches` and `lines` unused). dot_4x2's loop for `columns`
+    x rows, written in IR so that the prefetch does not stop it vectorizing."""
 
     @intrinsic
     def tile(typingctx, x, m0, w, o, y, ahead, lines):
@@ -346,7 +353,8 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False):
             return None  # the IR steps through rows by their length: a strided array fails to type, loudly
 
         def codegen(context, builder, signature, args):
-            _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked=False, fenced=fenced)
+            shape = (columns, prefetches, w_rows)
+            _tile_ir(context, builder, signature, args, shape, chunked=False, fenced=fenced, steps_ahead=steps_ahead)
             return context.get_dummy_value()
 
         return types.none(x, m0, w, o, y, ahead, lines), codegen
@@ -365,7 +373,7 @@ def _chunk_tile(columns):
             return None
 
         def codegen(context, builder, signature, args):
-            _tile_ir(context, builder, signature, args, columns, _CHUNK_LINES, 4, chunked=True)
+            _tile_ir(context, builder, signature, args, (columns, _CHUNK_LINES, 4), chunked=True)
             return context.get_dummy_value()
 
         return types.none(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last), codegen
@@ -378,9 +386,10 @@ def _tile_types(x, w) -> bool:
     return x.dtype == w.dtype and (w.dtype == types.float32 or (w.dtype == types.int16 and DPBF16))
 
 
-def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chunked, fenced=False):
-    """The IR of a tile (_prefetching_tile's, or with `chunked` _chunk_tile's) at the builder; `fenced` as
-    _prefetching_tile takes it."""
+def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, steps_ahead=0):
+    """The IR of a tile (_prefetching_tile's, or with `chunked` _chunk_tile's) at the builder; shape = (columns,
+    prefetches, w_rows), and `fenced` and `steps_ahead`, as _prefetching_tile takes them."""
+    columns, prefetches, w_rows = shape
     xs, ws, ys = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
     m0, o, ahead, lines = args[1], args[3], args[5], args[6]
     k, n = builder.extract_value(xs.shape, 1), builder.extract_value(ys.shape, 1)
@@ -396,7 +405,7 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
         first_step, end_step = (builder.lshr(args[i], step_bits) for i in (7, 8))
     else:
         first_step, end_step = _I64(0), builder.lshr(k, step_bits)
-    if prefetches:  # (none: the tile reads a lone row, and the hardware prefetches it)
+    if prefetches and not steps_ahead:  # (none: the tile reads a lone row, and the hardware prefetches it)
         slots = builder.mul(builder.sub(end_step, first_step), _I64(prefetches))
         per_slot = builder.sdiv(builder.shl(lines, _I64(16)), slots)  # lines a prefetch, in 1/65536ths
     fma = _dpbf16(builder) if bfloat16 else _fmuladd(builder)
@@ -442,7 +451,9 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
                 new[j * columns + c] = builder.call(fma, [u, p[j], sums[j * columns + c]])
     if fenced:
         _step_fence(builder)
-    for i in range(prefetches):
+    if steps_ahead:
+        _prefetch_rows_ahead(builder, (step, end_step, step_bits), w_ptrs, prefetched, k, steps_ahead)
+    for i in range(0 if steps_ahead else prefetches):
         slot = builder.add(builder.mul(builder.sub(step, first_step), _I64(prefetches)), _I64(i))
         line = builder.ashr(builder.mul(slot, per_slot), _I64(16))
         address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, line_bits)]), _I8P)
@@ -475,6 +486,22 @@ def _tile_ir(context, builder, signature, args, columns, prefetches, w_rows, chu
     if chunked:
         builder.branch(end)
         builder.position_at_end(end)
+
+
+def _prefetch_rows_ahead(builder, steps, w_ptrs, prefetched, k, ahead):
+    """Prefetch each w row's line `ahead` steps on from this one, steps = (step, end_step, step_bits); past the
+    row's end, the same line of the same row of the block at `prefetched`, k values a row."""
+    step, end_step, step_bits = steps
+    target = builder.add(step, _I64(ahead))
+    past = builder.icmp_signed(">=", target, end_step)
+    beyond = builder.shl(builder.sub(target, end_step), step_bits)
+    last = builder.sub(k, _I64(1))  # rows shorter than `ahead` steps: the row's last value, within the block
+    beyond = builder.select(builder.icmp_signed("<", beyond, k), beyond, last)
+    for j, row in enumerate(w_ptrs):
+        here = builder.gep(row, [builder.shl(target, step_bits)])
+        there = builder.gep(prefetched, [builder.add(builder.mul(_I64(j), k), beyond)])
+        address = builder.bitcast(builder.select(past, there, here), _I8P)
+        builder.call(_llvm_prefetch(builder), [address, _I32(0), _I32(_TO_L2), _I32(1)])
 
 
 def _step_fence(builder):
@@ -519,7 +546,9 @@ def _is_true(builder, flag):
 
 
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
-_lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (_prefetching_tile(c, _LONE_LINES) for c in range(1, 7))
+_lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (
+    _prefetching_tile(c, _LONE_LINES, steps_ahead=_LONE_AHEAD if c >= _LONE_AHEAD_FROM else 0) for c in range(1, 7)
+)
 _tile_1x1 = _prefetching_tile(1, 0, 1)  # _row_by_row's: one w row, one x row, no prefetch
 _tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3)
 _tile_3x8 = _prefetching_tile(8, _THREE_ROW_LINES, 3, fenced=True)  # _step_fence
