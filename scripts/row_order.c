@@ -9,6 +9,8 @@
 // - rows, L lines: C twins of server/_forward_numba.py's lone pass: blocks of four weight rows as loaded, four
 //   streams at once, prefetching L lines a step of the next block into L2 (4: all of it, as the kernel does on
 //   Zen 4);
+// - rows, 32 ahead: the same tile prefetching each of its four rows' line 32 steps on (past a row's end, the same
+//   row of the next block): what the kernel's lone passes of five and six rows now do on Zen 4 (_LONE_AHEAD);
 // - packed, L lines: the same tile over each block packed into one run ([K / 16][4][16]);
 // - row by row (M = 1): one weight row after another, one sum vector over K, so that a thread's share of W is one
 //   stream in memory order; what the kernel now does at M = 1 on Zen 4 (_row_by_row).
@@ -36,7 +38,7 @@ static double now(void) {
 // One block of four weight rows against M x rows (M = 1 or 5), prefetching `lines` lines a step from `next`.
 #define TILE(M)                                                                                                   \
     static void tile_##M(const float *x, const float *block, int packed, float *y, long o, const float *next,     \
-                         int lines) {                                                                             \
+                         int lines, int ahead) {                                                                  \
         __m512 sums[4][M];                                                                                        \
         for (int r = 0; r < 4; r++)                                                                               \
             for (int m = 0; m < M; m++) sums[r][m] = _mm512_setzero_ps();                                         \
@@ -44,6 +46,11 @@ static double now(void) {
             __m512 w[4];                                                                                          \
             for (int r = 0; r < 4; r++) w[r] = _mm512_loadu_ps(packed ? block + 64 * i + 16 * r : block + r * K + 16 * i); \
             for (int p = 0; p < lines; p++) _mm_prefetch((const char *)(next + (lines * i + p) * 16), _MM_HINT_T1); \
+            for (int r = 0; r < 4 && ahead; r++) {                                                                \
+                long j = i + ahead;                                                                               \
+                const float *line = j < K / 16 ? block + r * K + 16 * j : next + r * K + 16 * (j - K / 16);       \
+                _mm_prefetch((const char *)line, _MM_HINT_T1);                                                    \
+            }                                                                                                     \
             for (int m = 0; m < M; m++) {                                                                         \
                 __m512 u = _mm512_loadu_ps(x + m * K + 16 * i);                                                   \
                 for (int r = 0; r < 4; r++) sums[r][m] = _mm512_fmadd_ps(w[r], u, sums[r][m]);                    \
@@ -55,15 +62,15 @@ static double now(void) {
 TILE(1)
 TILE(5)
 
-static void blocks(int m, const float *x, const float *w, int packed, float *y, int lines) {
+static void blocks(int m, const float *x, const float *w, int packed, float *y, int lines, int ahead) {
     long count = N / 4;
 #pragma omp parallel for schedule(static)
     for (long b = 0; b < count; b++) {
         const float *next = w + (b + 1 < count ? b + 1 : b) * 4 * K;  // the last block prefetches itself
         if (m == 1)
-            tile_1(x, w + b * 4 * K, packed, y, 4 * b, next, lines);
+            tile_1(x, w + b * 4 * K, packed, y, 4 * b, next, lines, ahead);
         else
-            tile_5(x, w + b * 4 * K, packed, y, 4 * b, next, lines);
+            tile_5(x, w + b * 4 * K, packed, y, 4 * b, next, lines, ahead);
     }
 }
 
@@ -105,8 +112,9 @@ static double median(double *v) {
     return v[ROUNDS / 2];
 }
 
-enum { READ, ROWS0, ROWS4, PACKED0, PACKED4, ROW_BY_ROW, WAYS };
-static const char *names[WAYS] = {"read", "rows, 0 lines", "rows, 4 lines", "packed, 0 lines", "packed, 4 lines", "row by row"};
+enum { READ, ROWS0, ROWS4, ROWS_AHEAD, PACKED0, PACKED4, ROW_BY_ROW, WAYS };
+static const char *names[WAYS] = {"read",           "rows, 0 lines",   "rows, 4 lines", "rows, 32 ahead",
+                                  "packed, 0 lines", "packed, 4 lines", "row by row"};
 
 int main(int argc, char **argv) {
     int rounds = argc > 1 ? atoi(argv[1]) : 3;
@@ -132,7 +140,10 @@ int main(int argc, char **argv) {
                     if (way == READ) read_all(plain);
                     for (int c = 0; c < COPIES && way != READ; c++) {
                         if (way == ROW_BY_ROW) row_by_row(x, plain[c], y);
-                        else blocks(m, x, way <= ROWS4 ? plain[c] : packed[c], way >= PACKED0, y, way == ROWS4 || way == PACKED4 ? 4 : 0);
+                        else {
+                            int lines = way == ROWS4 || way == PACKED4 ? 4 : 0, ahead = way == ROWS_AHEAD ? 32 : 0;
+                            blocks(m, x, way <= ROWS_AHEAD ? plain[c] : packed[c], way >= PACKED0, y, lines, ahead);
+                        }
                     }
                     if (repeat) times[way][repeat - 1] = now() - start;
                 }

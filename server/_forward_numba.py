@@ -121,15 +121,16 @@ _THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
 # weights, M = 10-12 0.76-0.82x the time, M = 16 0.87-0.89x, 24 0.94x, 40 0.99x (docs/engine-cpu.md).
 _CHUNK_LINES = 2 if _ZEN_AVX512 else 1
 # M = 1 on Zen 4 reads w a row at a time, in memory order (_row_by_row), where the lone pass reads four rows at once
-# and prefetches the next four. Over 16 [35838, 1536] weights in turn with the lone pass, with the memory streaming at
-# 41-56 GB/s, it took 0.83-0.85x the time (0.90-0.91x a read of them, against 1.09-1.10x); at 27-31 GB/s 0.94-0.98x;
-# bfloat16 0.83-0.92x. Its x row is read again for every w row: at K = 8960 (35 KB of x, more than L1 holds) it
-# took 1.36-1.40x, so such products keep the lone pass (docs/engine-cpu.md).
+# and prefetches the next four. Over 24 [35838, 1536] weights in turn with the lone pass, at 50 GB/s it took 0.98x
+# a read of them where the lone pass took 1.25x, at 32-35 GB/s 0.99-1.01x against 1.02-1.05x; bfloat16 0.83-0.92x
+# the time. Its x row is read again for every w row: at K = 8960 (35 KB of x, more than L1 holds) it took
+# 1.36-1.40x, so such products keep the lone pass (docs/engine-cpu.md).
 _ROW_BY_ROW = _ZEN_AVX512
 _ROW_BY_ROW_BYTES = 16384  # the largest x row _row_by_row takes: half of Zen 4's 32 KB L1
 # On Zen 4 the lone passes of _LONE_AHEAD_FROM x rows on prefetch each of their four w rows _LONE_AHEAD lines
-# ahead (on into the next block's rows), rather than the next block line by line: at 52-63 GB/s M = 5 took
-# 0.87-0.90x the time, M = 6 0.91-0.95x, while M = 2-4 gained nothing or lost up to 5% (docs/engine-cpu.md).
+# ahead (on into the next block's rows), rather than the next block line by line: M = 5 took 0.84-0.86x the time
+# at 55-56 GB/s and 0.82-0.94x at 32-35, M = 6 0.86x and 0.96-0.98x, while M = 2-4 gained nothing or lost up to 5%
+# (docs/engine-cpu.md).
 _LONE_AHEAD = 32 if _ZEN_AVX512 else 0
 _LONE_AHEAD_FROM = 5
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
