@@ -19,7 +19,8 @@ on (on Zen 4 from one), passes take x up to _GROUP rows at a time, in groups as 
 as the rows allow, and each pass prefetches its share of the next block's lines, one
 line every step or two (on Zen 4 the whole next block, up to four lines a step), so that a pass reading
 its block from cache does not leave the memory idle. On Zen 4, M = 1 reads w a row at a time
-instead (_row_by_row), each thread's share one stream for the hardware's prefetcher.
+instead (_row_by_row), each thread's share one stream for the hardware's prefetcher, and the lone
+passes of five and six x rows prefetch each of their w rows 32 lines ahead (_LONE_AHEAD).
 With AVX2 a pass holds three x rows (a 4 x 3 tile of 8-lane sums: twelve sums, three
 x vectors and one w vector in the sixteen registers): M = 3 makes one pass over a
 block instead of two (0.90-0.92x the time), M = 8 three instead of four (0.96x the
