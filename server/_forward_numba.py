@@ -20,7 +20,7 @@ as the rows allow, and each pass prefetches its share of the next block's lines,
 line every step or two (on Zen 4 the whole next block, up to four lines a step), so that a pass reading
 its block from cache does not leave the memory idle. On Zen 4, M = 1 reads w a row at a time
 instead (_row_by_row), each thread's share one stream for the hardware's prefetcher, and the lone
-passes of five and six x rows and the 3 x 7 tile prefetch each of their w rows 32 lines ahead (_LONE_AHEAD).
+passes of five and six x rows prefetch each of their w rows 32 lines ahead (_LONE_AHEAD).
 With AVX2 a pass holds three x rows (a 4 x 3 tile of 8-lane sums: twelve sums, three
 x vectors and one w vector in the sixteen registers): M = 3 makes one pass over a
 block instead of two (0.90-0.92x the time), M = 8 three instead of four (0.96x the
@@ -114,9 +114,8 @@ _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
 _PREFETCH_FROM = 1 if _ZEN_AVX512 else 3  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 # The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of
-# it elsewhere (on Zen 4 the 3 x 7 tile now prefetches by rows instead: _LONE_AHEAD). With the 3 x 8 tile's fence
-# (_step_fence), every product of the 1.5B in turn with the tiles before them on a 2-core Zen 4 EPYC: M = 7
-# 0.77-0.87x the time, M = 8 0.59-0.88x (docs/engine-cpu.md).
+# it elsewhere. With the 3 x 8 tile's fence (_step_fence), every product of the 1.5B in turn with the tiles before
+# them on a 2-core Zen 4 EPYC: M = 7 0.77-0.87x the time, M = 8 0.59-0.88x (docs/engine-cpu.md).
 _THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
 # Lines a step of a chunked pass (M > _GROUP) may prefetch. At one, M = 9-18 (two or three passes) prefetched only
 # half to three quarters of the next block; on Zen 4 two let them take all of it: in turn over 24 [35838, 1536]
@@ -132,9 +131,10 @@ _ROW_BY_ROW_BYTES = 16384  # the largest x row _row_by_row takes: half of Zen 4'
 # On Zen 4 the lone passes of _LONE_AHEAD_FROM x rows on prefetch each of their four w rows _LONE_AHEAD lines
 # ahead (on into the next block's rows), rather than the next block line by line: M = 5 took 0.84-0.86x the time
 # at 55-56 GB/s and 0.82-0.94x at 32-35, M = 6 0.86x and 0.96-0.98x, while M = 2-4 gained nothing or lost up to 5%
-# (docs/engine-cpu.md). The 3 x 7 tile prefetches so too: over every product of the 1.5B in turn with its line by
-# line prefetch, M = 7 took 0.87-1.00x the time at 48-60 GB/s and a median 0.97x at 29-39. The 3 x 8 tile keeps
-# the line by line prefetch: so it took mostly 0.85-0.97x the time at 31-40 GB/s but 1.02-1.09x at 54-58.
+# (docs/engine-cpu.md). The 3 x 7 and 3 x 8 tiles keep the line by line prefetch. So the 3 x 8 tile took
+# 1.02-1.09x the time at 54-58 GB/s; and the 3 x 7 tile alone so (M = 7 a median 0.97x) left the unchanged 3 x 8
+# tile at 1.15-1.22x its time at 30-33 GB/s and 1.29-1.34x at 52-54, also with the two in separate functions. Why
+# is not known.
 _LONE_AHEAD = 32 if _ZEN_AVX512 else 0
 _LONE_AHEAD_FROM = 5
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
@@ -244,7 +244,7 @@ def _row_by_row(x, w, y):
 def _three_row_blocks(x, w, y):
     """matmul for M = 7 or 8 on AVX-512 (K a multiple of 16): blocks of three weight rows, each in one pass of the
     3 x M tile, which prefetches _THREE_ROW_LINES lines a step of the next block (all of it on Zen 4, two thirds
-    elsewhere); on Zen 4 the 3 x 7 tile prefetches each w row _LONE_AHEAD lines ahead instead."""
+    elsewhere)."""
     m_rows, k = x.shape
     n = w.shape[0]
     full_blocks = n // 3
@@ -557,7 +557,7 @@ _lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (
     _prefetching_tile(c, _LONE_LINES, steps_ahead=_LONE_AHEAD if c >= _LONE_AHEAD_FROM else 0) for c in range(1, 7)
 )
 _tile_1x1 = _prefetching_tile(1, 0, 1)  # _row_by_row's: one w row, one x row, no prefetch
-_tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3, steps_ahead=_LONE_AHEAD)
+_tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3)
 _tile_3x8 = _prefetching_tile(8, _THREE_ROW_LINES, 3, fenced=True)  # _step_fence
 _chunk_2, _chunk_3, _chunk_4, _chunk_5, _chunk_6 = (_chunk_tile(columns) for columns in range(2, 7))
 
