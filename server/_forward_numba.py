@@ -100,17 +100,22 @@ DPBF16 = _AVX512 and bool(llvm.get_host_cpu_features().get("avx512bf16", False))
 if DPBF16:
     llvm.initialize_native_asmparser()  # the inline vdpbf16ps is assembled as the kernel compiles
 _PAIRS = ir.VectorType(_I32, _LANES)  # 32 bfloat16 values, two to a lane
-# Products of up to this many rows run `matmul`; larger ones, oneDNN's GEMM (server/matmul.py), whose blocked
-# kernels reuse each weight over many more rows. Over a forward's worth of the 1.5B's products (1.1 GB, more
-# than the caches hold), oneDNN caught up at M = 40 on a 2-core AVX-512 Xeon (x rows on cache lines: 103 ms
-# each at 40, oneDNN 0.90x at 48) and between 40 and 64 on a 2-core AVX2 EPYC.
-MAX_ROWS = 40 if _AVX512 else 48
 _I8P = ir.IntType(8).as_pointer()
 # AMD's AVX-512 cores (Zen 4 on): there a lone pass (one pass takes every x row) prefetching the whole next block
 # read [8960, 1536] weights at 0.93-0.98x a torch read where the plain loop read at 0.79-0.81x (M = 1), and at
 # M = 3-6 1.10-1.16x faster than prefetching half the block, in turn on a 2-core EPYC (docs/engine-cpu.md). On
 # the Xeon and the AVX2 EPYC the plain loop read at 0.94-0.95x, so M = 1-2 keep it there.
 _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
+# Products of up to this many rows run `matmul`; larger ones, oneDNN's GEMM on the same plain weights
+# (server/matmul.py), whose blocked kernels reuse each weight over many more rows. Over a forward's worth of the
+# 1.5B's products (1.1 GB, more than the caches hold), oneDNN caught up at M = 40 on a 2-core AVX-512 Xeon (x rows
+# on cache lines: 103 ms each at 40, oneDNN 0.90x at 48) and between 40 and 64 on a 2-core AVX2 EPYC. On a 2-core
+# Zen 4 EPYC, over all of the 1.5B's products (6.2 GB) in turn with oneDNN's GEMM on the same weights, float32 took
+# 0.81-0.88x its time at M = 41-64, 0.91-0.94x at 72-96, 0.99x at 112-120 and 1.01-1.04x at 128-160 (with
+# _LONG_CHUNKS 0.78-0.91x at 48-96 and 0.97x at 120); bfloat16 0.85-0.86x at 41-64, 0.99x at 80 and 1.02-1.05x at
+# 96-128 (docs/engine-cpu.md).
+MAX_ROWS = 120 if _ZEN_AVX512 else 40 if _AVX512 else 48
+MAX_ROWS_BFLOAT16 = 64 if _ZEN_AVX512 else MAX_ROWS
 _PREFETCH_FROM = 1 if _ZEN_AVX512 else 3  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 # The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of
@@ -137,6 +142,13 @@ _ROW_BY_ROW_BYTES = 16384  # the largest x row _row_by_row takes: half of Zen 4'
 # is not known.
 _LONE_AHEAD = 32 if _ZEN_AVX512 else 0
 _LONE_AHEAD_FROM = 5
+# On Zen 4, float32 products of M >= _LONG_CHUNKS_FROM rows walk each block _LONG_CHUNKS values of K at a time (all
+# of K = 1536), not 256 or 512: each pass loads and stores its sums once a chunk, and three passes or more over a
+# block keep the memory busy without short chunks. Over all of the 1.5B's products in turn with the short chunks,
+# at 31 GB/s: M = 16-48 0.87-0.95x the time, 64-120 0.87-0.96x; but M = 12-13 1.05-1.07x, so below 16 they stay.
+# bfloat16 was mixed (M = 24-32 1.01-1.03x, 40-64 0.91-0.95x) and keeps them (docs/engine-cpu.md).
+_LONG_CHUNKS = 2048 if _ZEN_AVX512 else 0
+_LONG_CHUNKS_FROM = 16
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
@@ -285,7 +297,7 @@ def _chunked_passes(x, w, y):
     block streams in throughout, not only in the first of its passes, and the later passes read the chunk from L1
     (in turn with whole passes over every product of the 1.5B on a 2-core Xeon: M = 9-24 0.91-0.94x, M = 28
     0.95x, M = 40 0.96-0.97x). 256 floats a chunk up to four passes; 512 beyond, where the sums' loads and
-    stores weigh more."""
+    stores weigh more; on Zen 4 _LONG_CHUNKS from _LONG_CHUNKS_FROM float32 rows."""
     m_rows, k = x.shape
     n = w.shape[0]
     # bfloat16's passes hold five x rows: vdpbf16ps takes its operands in registers, where an FMA reads its w vector
@@ -295,6 +307,8 @@ def _chunked_passes(x, w, y):
     size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
     full_blocks = n // 4
     chunk = (256 if passes <= 4 else 512) * _step_width(w) // _LANES  # as many steps for bfloat16
+    if _LONG_CHUNKS and m_rows >= _LONG_CHUNKS_FROM and w.itemsize == 4:
+        chunk = _LONG_CHUNKS
     chunks = (k + chunk - 1) // chunk
     per_line = _LINE // w.itemsize
     block_lines = 4 * k // per_line

@@ -4,11 +4,13 @@
   plain path, kept for comparison and wherever nothing faster applies.
 - `numba` (CPU, float32; bfloat16 when asked): the weights stay row-major, as
   loaded, in one copy (a tied LM head reads the embedding table itself). A
-  product of up to `numba_max_rows()` rows (48 on AVX2, 40 on AVX-512), every
-  decode step's and most verify steps', runs a numba kernel that streams the
-  weights at memory speed (server/_forward_numba.py); a larger one (prefill)
-  runs oneDNN's GEMM on the same plain weights, which measured as fast as on
-  its own packed layout (in float32).
+  product of up to `numba_max_rows()` rows (48 on AVX2, 40 on AVX-512; on
+  Zen 4 120, and 64 in bfloat16), every decode step's and most verify steps',
+  runs a numba kernel that streams the weights at memory speed
+  (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on the
+  same plain weights. On a Xeon that measured as fast as oneDNN's own packed
+  layout (in float32); on a Zen 4 EPYC it took 1.04-1.16x the packed layout's
+  time at 120-256 rows, and 1.14-1.27x at 41-80, which the kernel now takes.
   q/k/v and gate/up are fused as below. bfloat16 too, on CPUs with AVX512_BF16,
   but only when asked: whole bfloat16 forwards of the 1.5B on a 2-core Zen 4
   EPYC, in turn with `onednn`, took 1 x 1 0.74-0.77x, 1 x 5 0.92-0.98x, 8 x 1
@@ -107,7 +109,7 @@ class PlainLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).contiguous()
-        if x.shape[0] > numba_max_rows():
+        if x.shape[0] > numba_max_rows(self.weight.dtype):
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         else:
             compiled = numba_kernel()
@@ -130,10 +132,12 @@ def numba_kernel() -> ModuleType | None:
     return load_kernel("_forward_numba", "matrix products take another path", "warm_up_matmul")
 
 
-def numba_max_rows() -> int:
+def numba_max_rows(dtype: torch.dtype = torch.float32) -> int:
     """Products of up to this many rows run the numba kernel, larger ones oneDNN's GEMM (0: no kernel here)."""
     compiled = numba_kernel()
-    return 0 if compiled is None else int(compiled.MAX_ROWS)
+    if compiled is None:
+        return 0
+    return int(compiled.MAX_ROWS_BFLOAT16 if dtype == torch.bfloat16 else compiled.MAX_ROWS)
 
 
 def numba_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

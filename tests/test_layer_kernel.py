@@ -22,7 +22,7 @@ from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from test_batched_forward import session_rounds
 
 CPU = torch.device("cpu")
-NUM_SLOTS, MAX_LEN = 6, 96
+NUM_SLOTS, MAX_LEN = 8, 96  # 8: eight rows of NUMBA_MAX_NEW tokens pass the largest product limit
 # Qwen2 (qkv bias), Llama 2-style (none; 4 KV heads), Qwen3 (q/k norms, head_dim 32 != hidden / heads) and
 # Llama 3.x (llama3 RoPE, tied embeddings).
 FAMILIES = ["tiny_target_dir", "tiny_llama_dir", "tiny_qwen3_dir", "tiny_llama3_dir"]
@@ -83,8 +83,9 @@ def test_compiled_layers_give_every_row_what_the_modules_give(model, calls, rows
 def test_steps_the_compiled_layers_cannot_take_run_the_modules(model, calls):
     """Over numba_max_rows() tokens (a prefill chunk), a row too long for the attention kernel, or the row-loop
     attention: each runs the modules, and gives what they give."""
-    width = numba_max_rows() // 4 + 1  # four short rows, over the product kernel's limit together
-    too_many = [((5, slot), ForwardRequest(slot, 2, tuple(range(slot, slot + width)))) for slot in range(4)]
+    short = numba_max_rows() // NUMBA_MAX_NEW + 1  # rows the attention kernel takes, over the product's limit together
+    assert short <= NUM_SLOTS
+    too_many = [((5, slot), ForwardRequest(slot, 2, tuple(range(slot, slot + NUMBA_MAX_NEW)))) for slot in range(short)]
     too_long = [((5,), ForwardRequest(0, 1, tuple(range(10, 11 + NUMBA_MAX_NEW)))), ((6,), ForwardRequest(1, 1, (7,)))]
     for rows in (too_many, too_long):
         got, _ = _step(model, rows, compiled=True)

@@ -19,7 +19,8 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("out_features", [4, 6, 7, 130])  # partial blocks of 4 and of 3 rows
-@pytest.mark.parametrize("in_features", [48, 44, 528])  # 44: no prefetching tile; 528: K in chunks of 256 and 16
+# 44: no prefetching tile; 528: K in chunks of 256 and 16; 2080 (Zen 4, 16 rows on): in chunks of 2048 and 32
+@pytest.mark.parametrize("in_features", [48, 44, 528, 2080])
 def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, bias):
     torch.manual_seed(out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -47,13 +48,14 @@ def test_plain_linear_in_bfloat16_sums_in_float32_and_rounds_once(in_features, o
     linear = torch.nn.Linear(in_features, out_features, dtype=torch.bfloat16)
     plain = PlainLinear(linear.weight, linear.bias)
     weight, bias = linear.weight.double(), linear.bias.double()
-    for rows in (1, 2, 3, 5, 6, 7, 8, 11, 16, 23, numba_max_rows(), numba_max_rows() + 1):
+    limit = numba_max_rows(torch.bfloat16)
+    for rows in (1, 2, 3, 5, 6, 7, 8, 11, 16, 23, limit, limit + 1):
         x = torch.randn(rows, in_features, dtype=torch.bfloat16)
         with torch.inference_mode():
             y = plain(x)
         assert y.dtype == torch.bfloat16
         exact = x.double() @ weight.T + bias  # bfloat16 products are exact in float32; only the sums round
-        if rows <= numba_max_rows():  # the kernel's own: within a rounding of bfloat16 of the exact sum
+        if rows <= limit:  # the kernel's own: within a rounding of bfloat16 of the exact sum
             torch.testing.assert_close(y.double(), exact.to(torch.bfloat16).double(), atol=1e-5, rtol=2**-7)
         else:  # oneDNN's GEMM on the same plain weight
             torch.testing.assert_close(y.double(), exact, atol=2e-2, rtol=2e-2)
