@@ -149,6 +149,14 @@ _LONE_AHEAD_FROM = 5
 # bfloat16 was mixed (M = 24-32 1.01-1.03x, 40-64 0.91-0.95x) and keeps them (docs/engine-cpu.md).
 _LONG_CHUNKS = 2048 if _ZEN_AVX512 else 0
 _LONG_CHUNKS_FROM = 16
+# The 3 x 8 tile's sums that go through memory every step on Zen 4 (stored, and loaded again after the step's
+# fence) rather than staying in registers. numba links each parallel loop into every kernel that calls it and
+# optimizes it again there, and its disk cache keeps only those copies: a process that compiled the kernel ran the
+# loop as first optimized, which happened to spill three sums, and every later process (every server start after
+# the first) ran the copy that kept them in registers, which took 1.19-1.23x the time at M = 8 (whole 8 x 1
+# forwards: 1.19x, in turn on a 2-core Zen 4 EPYC). With three sums in memory the cached kernel's M = 8 took
+# 0.98-1.04x the freshly compiled one's (docs/engine-cpu.md).
+_SUMS_IN_MEMORY = 3 if _ZEN_AVX512 else 0
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
@@ -357,13 +365,14 @@ def _chunk_pass(x, m0, columns, w, o, y, prefetching, span, sums):
         _chunk_6(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
 
 
-def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead=0):
+def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead=0, in_memory=0):
     """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + w_rows] = those rows of x
     [M, K] . rows o..o + w_rows - 1 of w [N, K] (float32, C order, K a multiple of the lanes), a vector a step,
     while prefetching `lines` (<= prefetches * K / lanes) 64-byte lines from w.ravel()[ahead:], evenly spread over
     the steps, `prefetches` instructions a step (none at 0); `fenced`, each step ending in _step_fence. With
     `steps_ahead`, a step instead prefetches each w row's line that many steps on, and past a row's end the same
-    line of the same row in the block at `ahead` (`prefetches` and `lines` unused). dot_4x2's loop for `columns`
+    line of the same row in the block at `ahead` (`prefetches` and `lines` unused). With `in_memory` (fenced
+    only), the last that many sums go through memory every step (_SUMS_IN_MEMORY). dot_4x2's loop for `columns`
     x rows, written in IR so that the prefetch does not stop it vectorizing."""
 
     @intrinsic
@@ -373,7 +382,7 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead
 
         def codegen(context, builder, signature, args):
             shape = (columns, prefetches, w_rows)
-            _tile_ir(context, builder, signature, args, shape, chunked=False, fenced=fenced, steps_ahead=steps_ahead)
+            _tile_ir(context, builder, signature, args, shape, False, fenced, steps_ahead, in_memory)
             return context.get_dummy_value()
 
         return types.none(x, m0, w, o, y, ahead, lines), codegen
@@ -405,9 +414,9 @@ def _tile_types(x, w) -> bool:
     return x.dtype == w.dtype and (w.dtype == types.float32 or (w.dtype == types.int16 and DPBF16))
 
 
-def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, steps_ahead=0):
+def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, steps_ahead=0, in_memory=0):
     """The IR of a tile (_prefetching_tile's, or with `chunked` _chunk_tile's) at the builder; shape = (columns,
-    prefetches, w_rows), and `fenced` and `steps_ahead`, as _prefetching_tile takes them."""
+    prefetches, w_rows), and `fenced`, `steps_ahead` and `in_memory`, as _prefetching_tile takes them."""
     columns, prefetches, w_rows = shape
     xs, ws, ys = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
     m0, o, ahead, lines = args[1], args[3], args[5], args[6]
@@ -441,6 +450,11 @@ def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, st
         builder.position_at_end(zero_block)
     else:
         starts = [(builder.block, [zero] * count)]
+    held = {}  # index -> the stack slot of a sum kept in memory
+    for index in range(count - in_memory, count):
+        with builder.goto_entry_block():
+            held[index] = builder.alloca(_V)
+        builder.store(zero, held[index], align=_LINE)
     builder.branch(head)
     builder.position_at_end(head)
     step = builder.phi(_I64)
@@ -467,9 +481,14 @@ def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, st
         for c, row in enumerate(x_rows):
             u = load(row)
             for j in range(w_rows):
-                new[j * columns + c] = builder.call(fma, [u, p[j], sums[j * columns + c]])
+                index = j * columns + c
+                if index in held:  # its phi stays at zero
+                    total = builder.call(fma, [u, p[j], builder.load(held[index], align=_LINE)])
+                    builder.store(total, held[index], align=_LINE)
+                else:
+                    new[index] = builder.call(fma, [u, p[j], sums[index]])
     if fenced:
-        _step_fence(builder)
+        _step_fence(builder, list(held.values()))
     if steps_ahead:
         _prefetch_rows_ahead(builder, prefetch, (step, end_step, step_bits), w_ptrs, (prefetched, k, steps_ahead))
     for i in range(0 if steps_ahead else prefetches):
@@ -499,6 +518,8 @@ def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, st
         builder.branch(end)
         builder.position_at_end(sum_block)
     for index, total in enumerate(sums):
+        if index in held:
+            total = builder.load(held[index], align=_LINE)
         m, j = rows[index % columns], index // columns
         out = builder.gep(ys.data, [builder.add(builder.mul(m, n), builder.add(o, _I64(j)))])
         builder.store(_horizontal_sum(builder, total), out)
@@ -525,15 +546,17 @@ def _prefetch_rows_ahead(builder, prefetch, steps, w_ptrs, ahead):
         builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
 
 
-def _step_fence(builder):
+def _step_fence(builder, slots=()):
     """An empty instruction that no load crosses, at the end of the 3 x 8 tile's step. Without it LLVM unrolled the
     loop by two and loaded the next step's x vectors early: with 24 sums and three w vectors held, they outgrew the
     32 registers, and it spilled sums and x vectors to the stack every step. With it the loop is neither unrolled
     nor spilled. On a 2-core Zen 4 EPYC, in turn over 24 [35838, 1536] weights at 30-35 GB/s, M = 8 took 1.4-2.3x
     a read of them, and a C twin of the tile that GCC keeps in registers (scripts/tile_twin.c) 1.1-1.4x; with the
     fence 0.95-1.15x, as the twin, and 0.92-0.99x the time of the loop with unrolling merely disabled. The 3 x 7
-    tile, unrolled, spills less and ran 1.01-1.13x slower fenced, so it keeps its loop (docs/engine-cpu.md)."""
-    builder.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], side_effect=True)
+    tile, unrolled, spills less and ran 1.01-1.13x slower fenced, so it keeps its loop (docs/engine-cpu.md). With
+    `slots` (pointers), the fence may read and write them, so the values stored there stay in memory."""
+    kinds = [slot.type for slot in slots]
+    builder.asm(ir.FunctionType(ir.VoidType(), kinds), "", "r," * len(slots) + "~{memory}", slots, side_effect=True)
 
 
 def _no_unrolling(module):
@@ -572,7 +595,7 @@ _lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (
 )
 _tile_1x1 = _prefetching_tile(1, 0, 1)  # _row_by_row's: one w row, one x row, no prefetch
 _tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3)
-_tile_3x8 = _prefetching_tile(8, _THREE_ROW_LINES, 3, fenced=True)  # _step_fence
+_tile_3x8 = _prefetching_tile(8, _THREE_ROW_LINES, 3, fenced=True, in_memory=_SUMS_IN_MEMORY)  # _step_fence
 _chunk_2, _chunk_3, _chunk_4, _chunk_5, _chunk_6 = (_chunk_tile(columns) for columns in range(2, 7))
 
 
