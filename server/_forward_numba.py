@@ -374,6 +374,7 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead
     line of the same row in the block at `ahead` (`prefetches` and `lines` unused). With `in_memory` (fenced
     only), the last that many sums go through memory every step (_SUMS_IN_MEMORY). dot_4x2's loop for `columns`
     x rows, written in IR so that the prefetch does not stop it vectorizing."""
+    assert fenced or not in_memory, "only the fence keeps LLVM from taking the sums back into registers"
 
     @intrinsic
     def tile(typingctx, x, m0, w, o, y, ahead, lines):
