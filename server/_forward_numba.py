@@ -455,6 +455,7 @@ def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, st
     for index in range(count - in_memory, count):
         with builder.goto_entry_block():
             held[index] = builder.alloca(_V)
+        held[index].align = _LINE  # as its loads and stores say, not only by the data layout's default
         builder.store(zero, held[index], align=_LINE)
     builder.branch(head)
     builder.position_at_end(head)
