@@ -289,7 +289,15 @@ def _step_width(w):
 
 @njit(inline="always", fastmath=True)
 def _dot_rows(x, w, first, y):
-    """y[:, first:] = x . w[first:].T, one dot product at a time: the last few weight rows, past the whole blocks."""
+    """y[:, first:] = x . w[first:].T: the last few weight rows, past the whole blocks. Where K is a multiple of the
+    step, each with the 1 x 1 tile, which sums as every tile does, so that no value of y depends on how many rows x
+    has (the scalar loop, vectorized by LLVM in its own order, differed from the tiles at ragged N, and at M = 7-8
+    in the last rows the three-row blocks leave); else one dot product at a time."""
+    if x.shape[1] % _step_width(w) == 0:
+        for j in range(first, w.shape[0]):
+            for m in range(x.shape[0]):
+                _tile_1x1(x, m, w, j, y, 0, 0)
+        return
     for j in range(first, w.shape[0]):
         for m in range(x.shape[0]):
             acc = _ZERO
@@ -849,19 +857,22 @@ def _scores(queries, k_cache, slot, kv_head, num_keys, scores):
     max_len, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     keys = k_cache[slot].reshape(max_len * num_kv_heads, head_dim)  # key k of this head: row k * KVH + kv_head
     calls = (num_queries + 1) // 2  # dot calls per four keys, which share the prefetches between them
-    key = 0
-    while key + 4 <= num_keys:
+    # The last 1-3 keys take the block of the last four (computing some keys again, to the same bits), so that
+    # every score comes from the same loop whatever the number of keys: a query's scores do not depend on the
+    # row's length.
+    last = num_keys - 4
+    for block in range((num_keys + 3) // 4 if num_keys >= 4 else 0):
+        key = min(4 * block, last)
         row = key * num_kv_heads + kv_head
         i = 0
         while i + 1 < num_queries:
             _prefetch_keys(keys, key + _KEYS_AHEAD, i // 2, calls, num_keys, num_kv_heads, kv_head)
             dot_4x2(queries, i, i + 1, keys, row, num_kv_heads, scores, key)
             i += 2
-        if i < num_queries:
+        if i < num_queries:  # the odd query out, paired with itself: the same code as every other query's
             _prefetch_keys(keys, key + _KEYS_AHEAD, i // 2, calls, num_keys, num_kv_heads, kv_head)
-            dot_4x1(queries, i, keys, row, num_kv_heads, scores, key)
-        key += 4
-    for k in range(key, num_keys):  # the last 1-3 keys
+            dot_4x2(queries, i, i, keys, row, num_kv_heads, scores, key)
+    for k in range(num_keys if num_keys >= 4 else 0, num_keys):  # fewer than four keys in all
         for i in range(num_queries):
             dot = np.float32(0.0)
             for d in range(head_dim):
@@ -877,24 +888,36 @@ def _weighted_values(weights, v_cache, slot, kv_head, num_keys, sums):
     num_queries, head_dim = sums.shape
     max_len, num_kv_heads = v_cache.shape[1], v_cache.shape[2]
     values = v_cache[slot].reshape(max_len * num_kv_heads, head_dim)  # as _scores' keys
-    key = 0
-    while key + 4 <= num_keys:
+    # Keys in fours from key 0, the last 1-3 padded with the row's last key at weight zero, each four through
+    # _four_values: a key's term joins the same three others in the same code whatever the number of keys, so a
+    # query's sums do not depend on the row's length (keys past a query's own weigh exactly zero).
+    whole = num_keys // 4 * 4
+    for key in range(0, whole, 4):
         for i in range(num_queries):
             _prefetch_keys(values, key + _KEYS_AHEAD, i, num_queries, num_keys, num_kv_heads, kv_head)
-            w0, w1, w2, w3 = weights[i, key], weights[i, key + 1], weights[i, key + 2], weights[i, key + 3]
-            for d in range(head_dim):
-                sums[i, d] += (
-                    w0 * _as_float(v_cache[slot, key, kv_head, d])
-                    + w1 * _as_float(v_cache[slot, key + 1, kv_head, d])
-                    + w2 * _as_float(v_cache[slot, key + 2, kv_head, d])
-                    + w3 * _as_float(v_cache[slot, key + 3, kv_head, d])
-                )
-        key += 4
-    for k in range(key, num_keys):
+            weights_of = (weights[i, key], weights[i, key + 1], weights[i, key + 2], weights[i, key + 3])
+            _four_values(v_cache, slot, kv_head, (key, key + 1, key + 2, key + 3), weights_of, sums[i])
+    if whole < num_keys:
+        last = num_keys - 1
+        keys_of = (whole, min(whole + 1, last), min(whole + 2, last), last)
         for i in range(num_queries):
-            weight = weights[i, k]
-            for d in range(head_dim):
-                sums[i, d] += weight * _as_float(v_cache[slot, k, kv_head, d])
+            w1 = weights[i, whole + 1] if whole + 1 < num_keys else _ZERO
+            w2 = weights[i, whole + 2] if whole + 2 < num_keys else _ZERO
+            _four_values(v_cache, slot, kv_head, keys_of, (weights[i, whole], w1, w2, _ZERO), sums[i])
+
+
+@njit(inline="always", fastmath=_FAST)
+def _four_values(v_cache, slot, kv_head, keys_of, weights_of, sums):
+    """sums += the four keys' values, each times its weight (keys_of, weights_of: four each)."""
+    k0, k1, k2, k3 = keys_of
+    w0, w1, w2, w3 = weights_of
+    for d in range(sums.shape[0]):
+        sums[d] += (
+            w0 * _as_float(v_cache[slot, k0, kv_head, d])
+            + w1 * _as_float(v_cache[slot, k1, kv_head, d])
+            + w2 * _as_float(v_cache[slot, k2, kv_head, d])
+            + w3 * _as_float(v_cache[slot, k3, kv_head, d])
+        )
 
 
 @njit(inline="always")

@@ -108,3 +108,46 @@ def test_only_the_numba_paths_together_compile_layers(tiny_target_dir, matmul, a
     target = load_target(resolved, device=CPU, dtype=torch.float32, matmul=matmul, attention=attention)
     assert (target.matmul, target.model.attention) == (matmul, attention)
     assert target.model.compiled_layers is None
+
+
+def test_a_tokens_logits_do_not_depend_on_the_step_it_rides_in(model, calls):
+    """On the compiled path a token's logits have the same bits whether it is decoded a step at a time, verified in
+    a row of several tokens, or decoded beside seven other rows. The products sum every row alike (from three rows
+    a step on every CPU, from one on Zen 4), and attention walks each query's keys in the same blocks whatever the
+    row's length. So where a step runs this path, greedy verification accepts exactly the tokens server-only
+    decoding picks, not only up to near ties. Every step here has three tokens or more."""
+    torch.manual_seed(1)
+    vocab = model.lm_head.out_features
+    prompt, new = torch.randint(vocab, (11,)).tolist(), torch.randint(vocab, (8,)).tolist()
+    others = [torch.randint(vocab, (13 + len(new),)).tolist() for _ in range(7)]
+    runner = ModelRunner(model, KVCache(model, num_slots=12, max_len=MAX_LEN, device=CPU, dtype=torch.float32))
+
+    def prefill(slot, ids):
+        runner.forward([ForwardRequest(slot, 0, tuple(ids), all_logits=False)])
+
+    def decoded_beside(slot, neighbours):
+        """new, a token a step in `slot`, each step with one token of each neighbour's row."""
+        out = []
+        for i, token in enumerate(new):
+            step = [ForwardRequest(slot, len(prompt) + i, (token,))]
+            step += [ForwardRequest(s, 13 + i, (others[s - 5][13 + i],)) for s in neighbours]
+            out.append(runner.forward(step)[0][0])
+        return torch.stack(out)
+
+    for slot in range(4):
+        prefill(slot, prompt)
+    for slot in range(5, 12):
+        prefill(slot, others[slot - 5][:13])
+    before = len(calls)
+    alone = decoded_beside(0, [5, 6])  # three tokens a step
+    in_a_row = runner.forward([ForwardRequest(1, len(prompt), tuple(new))])[0]
+    in_two = [
+        runner.forward([ForwardRequest(2, len(prompt) + start, tuple(new[start:end]))])[0]
+        for start, end in ((0, 5), (5, 8))
+    ]
+    for slot in range(5, 12):  # the neighbours again from the same point, for slot 3 to decode beside seven
+        prefill(slot, others[slot - 5][:13])
+    beside_seven = decoded_beside(3, range(5, 12))
+    assert len(calls) == before + 2 * len(new) + 3 + 7  # every step ran the compiled layers, the prefills too
+    for got in (in_a_row, torch.cat(in_two), beside_seven):
+        assert torch.equal(got, alone)

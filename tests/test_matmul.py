@@ -37,6 +37,30 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
         torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [9, 130, 131])  # ragged: partial blocks of 4 rows and of 3
+@pytest.mark.parametrize("in_features", [96, 2080])  # 2080 (Zen 4, 16 rows on): K in chunks of 2048 and 32
+def test_a_rows_products_do_not_depend_on_how_many_rows_share_them(in_features, out_features, dtype):
+    """Every x row's products have the same bits at every row count the kernel's tiles take (from one row on Zen 4,
+    from three elsewhere: fewer run plain loops that LLVM vectorizes in its own order), up to its limit; so on that
+    path a token's products do not depend on the other tokens of its step. The last rows past the tiles' blocks
+    are no exception."""
+    llvm = pytest.importorskip("llvmlite.binding")
+    if dtype == torch.bfloat16 and not llvm.get_host_cpu_features().get("avx512bf16", False):
+        pytest.skip("bfloat16 products need AVX512_BF16")
+    from specedge.server import _forward_numba
+
+    torch.manual_seed(in_features + out_features)
+    plain = PlainLinear(torch.randn(out_features, in_features, dtype=dtype), None)
+    first, limit = _forward_numba._PREFETCH_FROM, numba_max_rows(dtype)
+    x = torch.randn(limit, in_features, dtype=dtype)
+    with torch.inference_mode():
+        alone = torch.cat([plain(x[m : m + first]) for m in range(0, limit - first + 1, first)])
+        for rows in range(first, limit + 1):
+            seen = min(rows, len(alone))
+            assert torch.equal(plain(x[:rows])[:seen], alone[:seen]), rows
+
+
 @pytest.mark.parametrize("out_features", [7, 130])  # partial blocks of 4 and of 3 rows
 @pytest.mark.parametrize("in_features", [48, 96, 1056])  # 48: no tile (K not a multiple of 32); 1056: K in chunks
 def test_plain_linear_in_bfloat16_sums_in_float32_and_rounds_once(in_features, out_features):
