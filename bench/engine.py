@@ -644,7 +644,10 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
             mask = torch.ones(new, num_keys, dtype=torch.bool)
             mask[:, cached:] = ancestor_mask(None, new)
             masks = (None if new == 1 else mask,) * step.rows
-            layout = compiled_rows(cu, slots, (num_keys,) * step.rows, (None,) * step.rows)
+            # as a step the compiled layers take (float32) lays its rows out: every row in the kernel
+            layout = compiled_rows(
+                cu, slots, (num_keys,) * step.rows, (None,) * step.rows, compiled_step=dtype == torch.float32
+            )
             paths = {
                 "numba": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks, layout),
                 "rows": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks),

@@ -160,6 +160,8 @@ _SUMS_IN_MEMORY = 3 if _ZEN_AVX512 else 0
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
+_CHUNK_TOKENS = 16  # a row's tokens attend in chunks of at most this many
+_CHUNK_SCORES = 2048 * 1024  # and of at most this many scores (8 MB), down to one token
 _SILU_CHUNK = 2048  # columns per parallel task
 _LINE = 64  # bytes in a cache line
 _STRIPES = 64  # runs of blocks the chunked passes share among the threads
@@ -750,42 +752,60 @@ def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets
     for task in prange(slots.shape[0] * num_kv_heads):
         r, kv_head = task // num_kv_heads, task % num_kv_heads
         slot, cached, new, tree = slots[r], num_cached[r], num_new[r], tree_offsets[r]
-        num_queries, num_keys = new * group, cached + new
-        # The row's queries for this KV head, scaled: query i is token i // G, head kv_head * G + i % G.
-        queries = np.empty((num_queries, head_dim), np.float32)
-        for i in range(num_queries):
-            for d in range(head_dim):
-                queries[i, d] = q[starts[r] + i // group, kv_head * group + i % group, d] * scale
-        scores = np.empty((num_queries, num_keys), np.float32)
-        _scores(queries, k_cache, slot, kv_head, num_keys, scores)
-        for i in range(num_queries):
-            t = i // group
-            seen = cached + t + 1  # a chain's and a tree's keys both end at the query's own
-            for key in range(seen, num_keys):
-                scores[i, key] = 0.0
-            if tree != NO_TREE:
-                for j in range(t + 1):
-                    if not tree_masks[tree + t * new + j]:
-                        scores[i, cached + j] = -np.inf
-            top = -np.inf
-            for key in range(seen):
-                top = max(top, scores[i, key])
-            _exp_minus(scores[i], seen, top)
-            if tree != NO_TREE:  # exactly nothing from the keys the tree hides
-                for j in range(t + 1):
-                    if not tree_masks[tree + t * new + j]:
-                        scores[i, cached + j] = 0.0
-            total = np.float32(0.0)
-            for key in range(seen):
-                total += scores[i, key]
-            inverse = np.float32(1.0) / total
-            for key in range(seen):
-                scores[i, key] *= inverse
-        sums = np.zeros((num_queries, head_dim), np.float32)
-        _weighted_values(scores, v_cache, slot, kv_head, num_keys, sums)
-        for i in range(num_queries):
-            for d in range(head_dim):
-                out[starts[r] + i // group, kv_head * group + i % group, d] = sums[i, d]
+        # The row's tokens a chunk at a time, each chunk's scores within _CHUNK_SCORES: a query's sums do not
+        # depend on which others share its chunk (_scores, _weighted_values), so neither on the chunking.
+        chunk = max(1, min(_CHUNK_TOKENS, _CHUNK_SCORES // (group * (cached + new))))
+        for first in range(0, new, chunk):
+            end = min(first + chunk, new)
+            _attend_chunk(
+                q, k_cache, v_cache, starts[r], (first, end, new), (slot, cached, kv_head), tree, tree_masks, scale, out
+            )
+
+
+@njit(inline="always", fastmath=_FAST)
+def _attend_chunk(q, k_cache, v_cache, start, tokens, place, tree, tree_masks, scale, out):
+    """attend for tokens (first, end, new) of one row (its queries from q[start + first]) and one KV head: place =
+    (slot, cached, kv_head). The chunk's keys end at its last token's own."""
+    first, end, new = tokens
+    slot, cached, kv_head = place
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    num_queries, num_keys = (end - first) * group, cached + end
+    # The chunk's queries for this KV head, scaled: query i is token first + i // G, head kv_head * G + i % G.
+    queries = np.empty((num_queries, head_dim), np.float32)
+    for i in range(num_queries):
+        for d in range(head_dim):
+            queries[i, d] = q[start + first + i // group, kv_head * group + i % group, d] * scale
+    scores = np.empty((num_queries, num_keys), np.float32)
+    _scores(queries, k_cache, slot, kv_head, num_keys, scores)
+    for i in range(num_queries):
+        t = first + i // group
+        seen = cached + t + 1  # a chain's and a tree's keys both end at the query's own
+        for key in range(seen, num_keys):
+            scores[i, key] = 0.0
+        if tree != NO_TREE:
+            for j in range(t + 1):
+                if not tree_masks[tree + t * new + j]:
+                    scores[i, cached + j] = -np.inf
+        top = -np.inf
+        for key in range(seen):
+            top = max(top, scores[i, key])
+        _exp_minus(scores[i], seen, top)
+        if tree != NO_TREE:  # exactly nothing from the keys the tree hides
+            for j in range(t + 1):
+                if not tree_masks[tree + t * new + j]:
+                    scores[i, cached + j] = 0.0
+        total = np.float32(0.0)
+        for key in range(seen):
+            total += scores[i, key]
+        inverse = np.float32(1.0) / total
+        for key in range(seen):
+            scores[i, key] *= inverse
+    sums = np.zeros((num_queries, head_dim), np.float32)
+    _weighted_values(scores, v_cache, slot, kv_head, num_keys, sums)
+    for i in range(num_queries):
+        for d in range(head_dim):
+            out[start + first + i // group, kv_head * group + i % group, d] = sums[i, d]
 
 
 # Cephes' expf: exp(x) = 2**n * e**r, n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e**r by a

@@ -8,7 +8,10 @@
   compiled call per layer, one task per (row, KV head), reading its slot in place
   (server/_forward_numba.py). Longer rows (prefill chunks, verify rounds deep
   into a long context) take `rows`' scaled-dot-product call, whose flash kernel
-  reuses each key over many queries. On the 2-core EPYC of bench/results,
+  reuses each key over many queries; but in a step the compiled layers take
+  (server/layer_kernel.py), every row of up to NUMBA_MAX_NEW tokens and longer ones
+  over up to NUMBA_MAX_ROW_KEYS keys take the kernel, 16 tokens at a time, so that
+  the step runs compiled whole and a token's bits do not depend on its step. On the 2-core EPYC of bench/results,
   eight one-token rows over 200 cached keys took 0.33 ms a layer, against 1.30 ms
   of calls (plus the Python around each) on `rows`. A bfloat16 cache is read in
   place as its bits, summed in float32 and rounded once: on a 2-core Zen 4 EPYC,
@@ -64,6 +67,13 @@ ATTENTION_KINDS = ("auto", "rows", "numba", "flex")
 # 0.8x at 2,000, and at 4,000 keys it is 0.8x for one token a row but up to 1.08x for five.
 NUMBA_MAX_NEW = 16
 NUMBA_MAX_SCORES = 16 * 1024
+# In a step the compiled layers can take, the kernel takes every row of up to NUMBA_MAX_NEW tokens and longer rows
+# over up to this many keys (it walks a row 16 tokens at a time), so that the step runs compiled whole. On a 2-core
+# Zen 4 EPYC, real 1.5B, whole forwards in turn with the rule above: verify rows past it 0.81-0.90x (4 x 5 at 4,000
+# keys, 1 x 5 at 16,000 and 30,000), one token at 30,000 keys 0.79x, rows of 16-110 tokens at 200-8,000 keys
+# 0.91-1.01x; but at 16,000 keys 32-64 tokens took 1.05-1.07x and at 30,000 64 tokens 1.09x, where flash attention
+# reuses each key over more queries.
+NUMBA_MAX_ROW_KEYS = 8 * 1024
 
 
 def resolve_attention(kind: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -127,14 +137,20 @@ def compiled_rows(
     slots: Sequence[int],
     num_keys: Sequence[int],
     tree_masks: Sequence[torch.Tensor | None],  # per row: its new tokens' [new, new] ancestor mask; None: a chain
+    *,
+    compiled_step: bool = False,
 ) -> CompiledRows:
+    """The rows the numba kernel takes: those within NUMBA_MAX_NEW tokens and NUMBA_MAX_SCORES scores; in a step
+    the compiled layers can take (`compiled_step`), every row of up to NUMBA_MAX_NEW tokens and longer ones over up
+    to NUMBA_MAX_ROW_KEYS keys, so that the whole step runs compiled and no token's bits depend on the rest of it."""
+
+    def takes(new: int, keys: int) -> bool:
+        if compiled_step:
+            return new <= NUMBA_MAX_NEW or keys <= NUMBA_MAX_ROW_KEYS
+        return new <= NUMBA_MAX_NEW and new * keys <= NUMBA_MAX_SCORES
+
     rows = range(len(slots))
-    short = [
-        row
-        for row in rows
-        if (new := cu_num_tokens[row + 1] - cu_num_tokens[row]) <= NUMBA_MAX_NEW
-        and new * num_keys[row] <= NUMBA_MAX_SCORES
-    ]
+    short = [row for row in rows if takes(cu_num_tokens[row + 1] - cu_num_tokens[row], num_keys[row])]
     num_new = np.array([cu_num_tokens[row + 1] - cu_num_tokens[row] for row in short], np.int64)
     offsets, masks, used = np.full(len(short), -1, np.int64), [], 0
     for i, row in enumerate(short):

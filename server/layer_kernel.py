@@ -1,7 +1,9 @@
 """The numba path's decoder layers: a whole layer in one compiled call (server/_forward_numba.py).
 
 On the `numba` matrix path, with `numba` attention, a step of up to numba_max_rows()
-tokens whose rows all take the attention kernel runs each layer as one call: the
+tokens whose rows all take the attention kernel (in such a step every row of up to
+NUMBA_MAX_NEW tokens, and longer ones over up to NUMBA_MAX_ROW_KEYS keys: see
+server/attention.py) runs each layer as one call: the
 same product and attention kernels the modules call, with the norms, RoPE, KV
 writes, SiLU and residual adds compiled between them. The module path returned to
 Python after every product and torch op, and each return ran with caches just
@@ -9,8 +11,8 @@ flushed by tens of megabytes of weights. On the 2-core EPYC of bench/results tha
 glue cost about 50 ms of a 300 ms 1 x 1 forward; compiled, 1 x 1 to 8 x 5 steps
 took 0.89-0.93x the modules' time (`specedge-bench engine`, the two in turn).
 
-Other steps (prefill chunks over numba_max_rows() tokens, rows too long for the
-attention kernel, tensor-parallel ranks, which all-reduce between a layer's halves)
+Other steps (over numba_max_rows() tokens, rows too long for the attention kernel,
+tensor-parallel ranks, which all-reduce between a layer's halves)
 run the modules. Both compute the same layer; only rounding differs, as between
 the kernel and oneDNN's GEMM at the same boundary (server/matmul.py).
 """

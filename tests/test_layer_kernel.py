@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 
 from specedge.registry import ResolvedModel
-from specedge.server import layer_kernel
+from specedge.server import attention, layer_kernel
 from specedge.server.attention import NUMBA_MAX_NEW
 from specedge.server.loading import load_target
 from specedge.server.matmul import numba_max_rows
@@ -64,9 +64,10 @@ def _step(model, rows, *, compiled: bool) -> tuple[list[torch.Tensor], ModelRunn
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=session_rounds(max_new=NUMBA_MAX_NEW))
+@given(rows=session_rounds(max_new=NUMBA_MAX_NEW + 8))
 def test_compiled_layers_give_every_row_what_the_modules_give(model, calls, rows):
-    """Random mixes of decode tokens, chains and trees over random prefixes: the same logits and KV entries."""
+    """Random mixes of decode tokens, chains and trees over random prefixes, rows past NUMBA_MAX_NEW tokens too (the
+    kernel walks them in chunks; the modules take the row loop): the same logits and KV entries."""
     assume(sum(len(r.token_ids) for _, r in rows) <= numba_max_rows())
     before = len(calls)  # one fixture for all of hypothesis's examples
     want, modules = _step(model, rows, compiled=False)
@@ -80,9 +81,11 @@ def test_compiled_layers_give_every_row_what_the_modules_give(model, calls, rows
             torch.testing.assert_close(cache, reference, atol=1e-4, rtol=0)
 
 
-def test_steps_the_compiled_layers_cannot_take_run_the_modules(model, calls):
-    """Over numba_max_rows() tokens (a prefill chunk), a row too long for the attention kernel, or the row-loop
-    attention: each runs the modules, and gives what they give."""
+def test_steps_the_compiled_layers_cannot_take_run_the_modules(model, calls, monkeypatch):
+    """Over numba_max_rows() tokens (a prefill chunk), a row too long for the attention kernel (over NUMBA_MAX_NEW
+    tokens and NUMBA_MAX_ROW_KEYS keys, here lowered to NUMBA_MAX_NEW), or the row-loop attention: each runs the
+    modules, and gives what they give."""
+    monkeypatch.setattr(attention, "NUMBA_MAX_ROW_KEYS", NUMBA_MAX_NEW)
     short = numba_max_rows() // NUMBA_MAX_NEW + 1  # rows the attention kernel takes, over the product's limit together
     assert short <= NUM_SLOTS
     too_many = [((5, slot), ForwardRequest(slot, 2, tuple(range(slot, slot + NUMBA_MAX_NEW)))) for slot in range(short)]
@@ -112,10 +115,11 @@ def test_only_the_numba_paths_together_compile_layers(tiny_target_dir, matmul, a
 
 def test_a_tokens_logits_do_not_depend_on_the_step_it_rides_in(model, calls):
     """On the compiled path a token's logits have the same bits whether it is decoded a step at a time, verified in
-    a row of several tokens, or decoded beside seven other rows. The products sum every row alike (from three rows
-    a step on every CPU, from one on Zen 4), and attention walks each query's keys in the same blocks whatever the
-    row's length. So where a step runs this path, greedy verification accepts exactly the tokens server-only
-    decoding picks, not only up to near ties. Every step here has three tokens or more."""
+    a row of several tokens, decoded beside seven other rows, or verified beside a prefill chunk. The products sum
+    every row alike (from three rows a step on every CPU, from one on Zen 4), attention walks each query's keys in
+    the same blocks whatever the row's length, and a step with a long row runs compiled too. So where steps run
+    this path, greedy verification accepts exactly the tokens server-only decoding picks, not only up to near ties.
+    Every step here has three tokens or more."""
     torch.manual_seed(1)
     vocab = model.lm_head.out_features
     prompt, new = torch.randint(vocab, (11,)).tolist(), torch.randint(vocab, (8,)).tolist()
@@ -134,7 +138,7 @@ def test_a_tokens_logits_do_not_depend_on_the_step_it_rides_in(model, calls):
             out.append(runner.forward(step)[0][0])
         return torch.stack(out)
 
-    for slot in range(4):
+    for slot in range(5):
         prefill(slot, prompt)
     for slot in range(5, 12):
         prefill(slot, others[slot - 5][:13])
@@ -148,6 +152,10 @@ def test_a_tokens_logits_do_not_depend_on_the_step_it_rides_in(model, calls):
     for slot in range(5, 12):  # the neighbours again from the same point, for slot 3 to decode beside seven
         prefill(slot, others[slot - 5][:13])
     beside_seven = decoded_beside(3, range(5, 12))
-    assert len(calls) == before + 2 * len(new) + 3 + 7  # every step ran the compiled layers, the prefills too
-    for got in (in_a_row, torch.cat(in_two), beside_seven):
+    beside_a_prefill = runner.forward(  # beside a prefill chunk longer than NUMBA_MAX_NEW, and two decode rows
+        [ForwardRequest(4, len(prompt), tuple(new)), ForwardRequest(5, 0, tuple(others[0][:20]), all_logits=False)]
+        + [ForwardRequest(s, 13 + len(new), (others[s - 5][-1],)) for s in (6, 7)]
+    )[0]
+    assert len(calls) == before + 2 * len(new) + 4 + 7  # every step ran the compiled layers, the prefills too
+    for got in (in_a_row, torch.cat(in_two), beside_seven, beside_a_prefill):
         assert torch.equal(got, alone)
