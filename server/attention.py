@@ -8,14 +8,15 @@
   compiled call per layer, one task per (row, KV head), reading its slot in place
   (server/_forward_numba.py). Longer rows (prefill chunks, verify rounds deep
   into a long context) take `rows`' scaled-dot-product call, whose flash kernel
-  reuses each key over many queries; but in a step the compiled layers take
+  reuses each key over many queries. But in a step the compiled layers take
   (server/layer_kernel.py), every row of up to NUMBA_MAX_NEW tokens and longer ones
   over up to NUMBA_MAX_ROW_KEYS keys take the kernel, 16 tokens at a time, so that
-  the step runs compiled whole and a token's bits do not depend on its step. On the 2-core EPYC of bench/results,
-  eight one-token rows over 200 cached keys took 0.33 ms a layer, against 1.30 ms
-  of calls (plus the Python around each) on `rows`. A bfloat16 cache is read in
-  place as its bits, summed in float32 and rounded once: on a 2-core Zen 4 EPYC,
-  8 x 1 0.146 against 0.414 ms a layer, and whole bfloat16 forwards 0.91-1.00x.
+  the step runs compiled whole and a token's bits do not depend on its step. On
+  the 2-core EPYC of bench/results, eight one-token rows over 200 cached keys took
+  0.33 ms a layer, against 1.30 ms of calls (plus the Python around each) on `rows`.
+  A bfloat16 cache is read in place as its bits, summed in float32 and rounded once:
+  on a 2-core Zen 4 EPYC, 8 x 1 0.146 against 0.414 ms a layer, and whole bfloat16
+  forwards 0.91-1.00x.
 - `flex` (CUDA): one FlexAttention call for the whole step. The KV cache is seen as
   one long sequence of num_slots * max_len keys (a view, no copy), and a block mask
   built once per step lets each query see only its own slot's cached keys and
