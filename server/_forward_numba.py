@@ -160,7 +160,7 @@ _SUMS_IN_MEMORY = 3 if _ZEN_AVX512 else 0
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
-_CHUNK_TOKENS = 16  # a row's tokens attend in chunks of at most this many
+_CHUNK_TOKENS = 16  # a row's tokens attend in chunks of at most this many (attention.py's NUMBA_MAX_NEW)
 _CHUNK_SCORES = 2048 * 1024  # and of at most this many scores (8 MB), down to one token
 _SILU_CHUNK = 2048  # columns per parallel task
 _LINE = 64  # bytes in a cache line

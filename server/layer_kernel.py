@@ -73,11 +73,17 @@ class CompiledLayers:
             )
 
     @staticmethod
+    def fits(num_tokens: int) -> bool:
+        """Whether a step of this many tokens is few enough for the product kernel: one the layers take if its rows
+        all take the attention kernel (the runner lays such a step's rows out for it)."""
+        return num_tokens <= numba_max_rows()
+
+    @staticmethod
     def takes(batch: StepBatch) -> bool:
         """Whether this step runs compiled: few enough tokens for the product kernel, every row in the
         attention kernel."""
         compiled = batch.compiled
-        return compiled is not None and not compiled.others and batch.token_ids.shape[0] <= numba_max_rows()
+        return compiled is not None and not compiled.others and CompiledLayers.fits(batch.token_ids.shape[0])
 
     def __call__(
         self,

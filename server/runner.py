@@ -16,7 +16,6 @@ import torch
 
 from specedge.server import tree
 from specedge.server.attention import QueryGroups, compiled_rows, flex_layout, num_key_blocks, query_groups
-from specedge.server.matmul import numba_max_rows
 from specedge.server.model import CausalLM, StepBatch
 
 
@@ -195,6 +194,7 @@ class ModelRunner:
             )
         compiled = None
         if self.model.attention == "numba":
+            layers = self.model.compiled_layers
             # A step the compiled layers can take (float32, few enough tokens) takes them whole where its rows allow:
             # every row attends in the kernel, so that no token's bits depend on the rest of its step.
             compiled = compiled_rows(
@@ -205,7 +205,7 @@ class ModelRunner:
                     None if r.tree_parents is None else tree.ancestor_mask(r.tree_parents, len(r.token_ids))
                     for r in requests
                 ],
-                compiled_step=self.model.compiled_layers is not None and rows.num_tokens <= numba_max_rows(),
+                compiled_step=layers is not None and layers.fits(rows.num_tokens),
             )
             for row in compiled.others:  # rows too long for the kernel take the row loop, with their masks
                 row_masks[row] = self._row_mask(requests[row])
