@@ -20,7 +20,8 @@ as the rows allow, and each pass prefetches its share of the next block's lines,
 line every step or two (on Zen 4 the whole next block, up to four lines a step), so that a pass reading
 its block from cache does not leave the memory idle. On Zen 4, M = 1 reads w a row at a time
 instead (_row_by_row), each thread's share one stream for the hardware's prefetcher, and the lone
-passes of five and six x rows prefetch each of their w rows 32 lines ahead (_LONE_AHEAD).
+passes of five and six x rows prefetch each of their w rows 32 lines ahead (_LONE_AHEAD), and
+every prefetch of up to four passes a block is issued three times in a row (_PREFETCH_REPEATS).
 With AVX2 a pass holds three x rows (a 4 x 3 tile of 8-lane sums: twelve sums, three
 x vectors and one w vector in the sixteen registers): M = 3 makes one pass over a
 block instead of two (0.90-0.92x the time), M = 8 three instead of four (0.96x the
@@ -158,6 +159,16 @@ _LONG_CHUNKS_FROM = 16
 # 0.98-1.04x the freshly compiled one's (docs/engine-cpu.md).
 _SUMS_IN_MEMORY = 3 if _ZEN_AVX512 else 0
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
+# On Zen 4 the tiles issue each of their prefetches three times in a row. Over all of the 1.5B's products (kernels
+# from numba's cache) in turn with the single prefetch and a torch read of the weights, at 50-61 GB/s: M = 5-8
+# 1.05-1.33x the read where one prefetch took 1.49-1.86x (M = 8 0.72-0.76x the time), M = 2-4 1.12-1.29x against
+# 1.27-1.67x, M = 9-12 0.76-0.93x the time; at 30-34 GB/s M = 3-12 0.81-0.97x. Twice gained less (M = 4 1.28-1.35x,
+# M = 8 1.17-1.29x); a prefetch repeated a block later, into L1 (prefetcht0) or as prefetcht2 did not help, so why a
+# repeat counts is not known. The chunked passes repeat only up to _REPEATED_PASSES passes a block: M = 16-24
+# 0.93-0.98x the time, while at 20 passes (M = 120, its arithmetic the limit) three repeats took 1.01x
+# (docs/engine-cpu.md).
+_PREFETCH_REPEATS = 3 if _ZEN_AVX512 else 1
+_REPEATED_PASSES = 4
 _TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
 _CHUNK_TOKENS = 16  # a row's tokens attend in chunks of at most this many (attention.py's NUMBA_MAX_NEW)
@@ -333,6 +344,7 @@ def _chunked_passes(x, w, y):
     # A call's share of the next block's lines, spread over the block's calls, at most _CHUNK_LINES a step.
     last_steps = (k - (chunks - 1) * chunk) // _step_width(w)
     share = min((block_lines + chunks * passes - 1) // (chunks * passes), _CHUNK_LINES * last_steps)
+    repeated = passes <= _REPEATED_PASSES
     for stripe in prange(_STRIPES):  # runs of blocks, each with one scratch for its sums
         sums = _lined_rows(passes * 4 * _GROUP, _LANES)
         for block in range(full_blocks * stripe // _STRIPES, full_blocks * (stripe + 1) // _STRIPES):
@@ -349,7 +361,7 @@ def _chunked_passes(x, w, y):
                         w,
                         o,
                         y,
-                        (ahead + call * share * per_line, share),
+                        (ahead + call * share * per_line, share, repeated),
                         (c * chunk, min((c + 1) * chunk, k)),
                         sums[group * 4 * _GROUP :],
                     )
@@ -359,11 +371,23 @@ def _chunked_passes(x, w, y):
 @njit(inline="always", fastmath=True)
 def _chunk_pass(x, m0, columns, w, o, y, prefetching, span, sums):
     """One pass of the chunked tile for `columns` (2 .. _GROUP) x rows from m0, over K span = (k0, k1):
-    prefetching = (ahead, lines) as the tile takes them."""
-    ahead, lines = prefetching
+    prefetching = (ahead, lines, repeated), (ahead, lines) as the tile takes them; `repeated`, the tile that
+    issues each prefetch _PREFETCH_REPEATS times."""
+    ahead, lines, repeated = prefetching
     k0, k1 = span
     first, last = k0 == 0, k1 == x.shape[1]
-    if columns == 2:
+    if repeated:
+        if columns == 2:
+            _chunk_2r(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+        elif columns == 3:
+            _chunk_3r(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+        elif columns == 4:
+            _chunk_4r(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+        elif columns == 5:
+            _chunk_5r(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+        else:
+            _chunk_6r(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
+    elif columns == 2:
         _chunk_2(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
     elif columns == 3:
         _chunk_3(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
@@ -375,15 +399,16 @@ def _chunk_pass(x, m0, columns, w, o, y, prefetching, span, sums):
         _chunk_6(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
 
 
-def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead=0, in_memory=0):
+def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead=0, in_memory=0, repeats=1):
     """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + w_rows] = those rows of x
     [M, K] . rows o..o + w_rows - 1 of w [N, K] (float32, C order, K a multiple of the lanes), a vector a step,
     while prefetching `lines` (<= prefetches * K / lanes) 64-byte lines from w.ravel()[ahead:], evenly spread over
     the steps, `prefetches` instructions a step (none at 0); `fenced`, each step ending in _step_fence. With
     `steps_ahead`, a step instead prefetches each w row's line that many steps on, and past a row's end the same
     line of the same row in the block at `ahead` (`prefetches` and `lines` unused). With `in_memory` (fenced
-    only), the last that many sums go through memory every step (_SUMS_IN_MEMORY). dot_4x2's loop for `columns`
-    x rows, written in IR so that the prefetch does not stop it vectorizing."""
+    only), the last that many sums go through memory every step (_SUMS_IN_MEMORY). Each prefetch is issued
+    `repeats` times in a row (_PREFETCH_REPEATS). dot_4x2's loop for `columns` x rows, written in IR so that the
+    prefetch does not stop it vectorizing."""
     assert fenced or not in_memory, "only the fence keeps LLVM from taking the sums back into registers"
 
     @intrinsic
@@ -393,7 +418,7 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead
 
         def codegen(context, builder, signature, args):
             shape = (columns, prefetches, w_rows)
-            _tile_ir(context, builder, signature, args, shape, False, fenced, steps_ahead, in_memory)
+            _tile_ir(context, builder, signature, args, shape, False, fenced, steps_ahead, in_memory, repeats)
             return context.get_dummy_value()
 
         return types.none(x, m0, w, o, y, ahead, lines), codegen
@@ -401,10 +426,11 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead
     return tile
 
 
-def _chunk_tile(columns):
+def _chunk_tile(columns, repeats=1):
     """An intrinsic tile(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last): _prefetching_tile's 4 x columns
     tile over steps k0 / lanes .. k1 / lanes only (`lines` <= their number), its sums starting at zero (first) or
-    from the rows of `sums` [>= 4 columns, lanes], and ending in y (last) or back in `sums`."""
+    from the rows of `sums` [>= 4 columns, lanes], and ending in y (last) or back in `sums`; each prefetch issued
+    `repeats` times."""
 
     @intrinsic
     def tile(typingctx, x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last):
@@ -412,7 +438,7 @@ def _chunk_tile(columns):
             return None
 
         def codegen(context, builder, signature, args):
-            _tile_ir(context, builder, signature, args, (columns, _CHUNK_LINES, 4), chunked=True)
+            _tile_ir(context, builder, signature, args, (columns, _CHUNK_LINES, 4), chunked=True, repeats=repeats)
             return context.get_dummy_value()
 
         return types.none(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last), codegen
@@ -425,9 +451,9 @@ def _tile_types(x, w) -> bool:
     return x.dtype == w.dtype and (w.dtype == types.float32 or (w.dtype == types.int16 and DPBF16))
 
 
-def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, steps_ahead=0, in_memory=0):
+def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, steps_ahead=0, in_memory=0, repeats=1):
     """The IR of a tile (_prefetching_tile's, or with `chunked` _chunk_tile's) at the builder; shape = (columns,
-    prefetches, w_rows), and `fenced`, `steps_ahead` and `in_memory`, as _prefetching_tile takes them."""
+    prefetches, w_rows), and `fenced`, `steps_ahead`, `in_memory` and `repeats`, as _prefetching_tile takes them."""
     columns, prefetches, w_rows = shape
     xs, ws, ys = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
     m0, o, ahead, lines = args[1], args[3], args[5], args[6]
@@ -502,12 +528,14 @@ def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, st
     if fenced:
         _step_fence(builder, list(held.values()))
     if steps_ahead:
-        _prefetch_rows_ahead(builder, prefetch, (step, end_step, step_bits), w_ptrs, (prefetched, k, steps_ahead))
+        steps = (step, end_step, step_bits)
+        _prefetch_rows_ahead(builder, (prefetch, repeats), steps, w_ptrs, (prefetched, k, steps_ahead))
     for i in range(0 if steps_ahead else prefetches):
         slot = builder.add(builder.mul(builder.sub(step, first_step), _I64(prefetches)), _I64(i))
         line = builder.ashr(builder.mul(slot, per_slot), _I64(16))
         address = builder.bitcast(builder.gep(prefetched, [builder.shl(line, line_bits)]), _I8P)
-        builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
+        for _ in range(repeats):
+            builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
     next_step = builder.add(step, _I64(1))
     back = builder.branch(head)
     if chunked:
@@ -540,10 +568,11 @@ def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, st
         builder.position_at_end(end)
 
 
-def _prefetch_rows_ahead(builder, prefetch, steps, w_ptrs, ahead):
-    """Prefetch (llvm.prefetch, as _tile_ir holds it) each w row's line `distance` steps on from this one, steps =
-    (step, end_step, step_bits) and ahead = (prefetched, k, distance); past the row's end, the same line of the
-    same row of the block at `prefetched`, k values a row."""
+def _prefetch_rows_ahead(builder, prefetching, steps, w_ptrs, ahead):
+    """Prefetch each w row's line `distance` steps on from this one, prefetching = (llvm.prefetch, as _tile_ir holds
+    it, and the times each is issued), steps = (step, end_step, step_bits) and ahead = (prefetched, k, distance);
+    past the row's end, the same line of the same row of the block at `prefetched`, k values a row."""
+    prefetch, repeats = prefetching
     step, end_step, step_bits = steps
     prefetched, k, distance = ahead
     target = builder.add(step, _I64(distance))
@@ -555,7 +584,8 @@ def _prefetch_rows_ahead(builder, prefetch, steps, w_ptrs, ahead):
         here = builder.gep(row, [builder.shl(target, step_bits)])
         there = builder.gep(prefetched, [builder.add(builder.mul(_I64(j), k), beyond)])
         address = builder.bitcast(builder.select(past, there, here), _I8P)
-        builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
+        for _ in range(repeats):
+            builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
 
 
 def _step_fence(builder, slots=()):
@@ -603,12 +633,23 @@ def _is_true(builder, flag):
 
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
 _lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (
-    _prefetching_tile(c, _LONE_LINES, steps_ahead=_LONE_AHEAD if c >= _LONE_AHEAD_FROM else 0) for c in range(1, 7)
+    _prefetching_tile(
+        c, _LONE_LINES, steps_ahead=_LONE_AHEAD if c >= _LONE_AHEAD_FROM else 0, repeats=_PREFETCH_REPEATS
+    )
+    for c in range(1, 7)
 )
 _tile_1x1 = _prefetching_tile(1, 0, 1)  # _row_by_row's: one w row, one x row, no prefetch
-_tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3)
-_tile_3x8 = _prefetching_tile(8, _THREE_ROW_LINES, 3, fenced=True, in_memory=_SUMS_IN_MEMORY)  # _step_fence
+_tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3, repeats=_PREFETCH_REPEATS)
+_tile_3x8 = _prefetching_tile(
+    8,
+    _THREE_ROW_LINES,
+    3,
+    fenced=True,
+    in_memory=_SUMS_IN_MEMORY,
+    repeats=_PREFETCH_REPEATS,  # _step_fence
+)
 _chunk_2, _chunk_3, _chunk_4, _chunk_5, _chunk_6 = (_chunk_tile(columns) for columns in range(2, 7))
+_chunk_2r, _chunk_3r, _chunk_4r, _chunk_5r, _chunk_6r = (_chunk_tile(c, _PREFETCH_REPEATS) for c in range(2, 7))
 
 
 @njit(inline="always", fastmath=True)
