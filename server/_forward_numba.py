@@ -161,11 +161,11 @@ _SUMS_IN_MEMORY = 3 if _ZEN_AVX512 else 0
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 # On Zen 4 the tiles issue each of their prefetches three times in a row. Over all of the 1.5B's products (kernels
 # from numba's cache) in turn with the single prefetch and a torch read of the weights, at 50-61 GB/s: M = 5-8
-# 1.05-1.33x the read where one prefetch took 1.49-1.86x (M = 8 0.72-0.76x the time), M = 2-4 1.12-1.29x against
+# 1.05-1.33x the read where one prefetch took 1.49-1.86x (M = 8 0.65-0.80x the time), M = 2-4 1.12-1.29x against
 # 1.27-1.67x, M = 9-12 0.76-0.93x the time; at 30-34 GB/s M = 3-12 0.81-0.97x. Twice gained less (M = 4 1.28-1.35x,
 # M = 8 1.17-1.29x); a prefetch repeated a block later, into L1 (prefetcht0) or as prefetcht2 did not help, so why a
 # repeat counts is not known. The chunked passes repeat only up to _REPEATED_PASSES passes a block: M = 16-24
-# 0.93-0.98x the time, while at 20 passes (M = 120, its arithmetic the limit) three repeats took 1.01x
+# 0.85-0.98x the time, while at 20 passes (M = 120, its arithmetic the limit) three repeats took 1.01x
 # (docs/engine-cpu.md).
 _PREFETCH_REPEATS = 3 if _ZEN_AVX512 else 1
 _REPEATED_PASSES = 4
