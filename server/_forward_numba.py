@@ -78,7 +78,7 @@ import math
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -169,7 +169,15 @@ _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was
 # (docs/engine-cpu.md).
 _PREFETCH_REPEATS = 3 if _ZEN_AVX512 else 1
 _REPEATED_PASSES = 4
-_TO_L1 = 3  # prefetcht0: attention's keys and values, each read while it is in L1
+# Attention's prefetches of keys and values: into L1 (prefetcht0), each read while it is there. On Zen 4 into L2,
+# and a task takes all of a row's KV heads where the rows keep every thread busy (task_heads), reading each key's
+# heads side by side: one layer's attention at 8 x 1 on 2,000 cached keys a row, from memory, took 0.51x the time
+# of a task a head prefetching into L1 (scores alone, one thread: 0.45x; heads side by side into L1 0.99x, a head
+# a task into L2 0.92x), whole 8 x 1 forwards there 0.90-0.92x, other steps and 200 keys 0.99-1.01x, on a 2-core
+# Zen 4 EPYC (docs/engine-cpu.md). Other CPUs keep what they had (untimed there).
+_HEADS_TOGETHER = _ZEN_AVX512
+_KEYS_TO = _TO_L2 if _ZEN_AVX512 else 3
+_VALUE_QUERIES = 3  # queries that share each value read in _weighted_values (six from L2: 0.71-0.76x the time of one)
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
 _CHUNK_TOKENS = 16  # a row's tokens attend in chunks of at most this many (attention.py's NUMBA_MAX_NEW)
 _CHUNK_SCORES = 2048 * 1024  # and of at most this many scores (8 MB), down to one token
@@ -773,80 +781,103 @@ def _check_attention(as_cache) -> None:
     out = np.empty_like(q)
     one = np.ones(1, np.int64)
     rows = (np.zeros(1, np.int64), 2 * one, np.zeros(1, np.int64), 2 * one, -one, np.ones(0, np.bool_))
-    attend(q, as_cache(keys), as_cache(values), *rows, out)
+    attend(q, as_cache(keys), as_cache(values), *rows, 1, out)
     expected = np.stack([values[0, :3, 0].mean(0), values[0, :4, 0].mean(0)])[:, None].repeat(2, 1)
     if not np.allclose(out, expected):
         raise RuntimeError(f"the compiled attention is wrong: {out}")
 
 
+def task_heads(num_rows: int, num_kv_heads: int) -> int:
+    """The KV heads an attention task takes in a step of num_rows rows (attend's task_heads), after set_threads.
+
+    All of a row's where the rows alone keep every thread busy (_HEADS_TOGETHER), so that a task reads each key's
+    heads side by side, in the cache's order; else one each. A head's keys alone lie 512 bytes in every KVH * 512
+    (D = 128), a stride memory served a task at under half the rate of the whole run (docs/engine-cpu.md).
+    """
+    return num_kv_heads if _HEADS_TOGETHER and num_rows >= get_num_threads() else 1
+
+
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, out):
+def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, task_heads, out):
     """out[starts[r] + t, h] = softmax(q . keys / sqrt(D)) . values over the keys row r's token t sees.
 
     q, out [N, H, D]; k_cache, v_cache [num_slots, max_len, KVH, D] (C-contiguous); per row r: starts,
     num_new, slots, num_cached, tree_offsets (NO_TREE, or where its [num_new, num_new] ancestor mask
-    begins in tree_masks).
+    begins in tree_masks); task_heads: the KV heads a task takes (task_heads() of the step).
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    for task in prange(slots.shape[0] * num_kv_heads):
-        r, kv_head = task // num_kv_heads, task % num_kv_heads
+    heads = num_kv_heads if task_heads == num_kv_heads else 1
+    tasks_per_row = num_kv_heads // heads
+    for task in prange(slots.shape[0] * tasks_per_row):
+        r, first_head = task // tasks_per_row, task % tasks_per_row * heads
         slot, cached, new, tree = slots[r], num_cached[r], num_new[r], tree_offsets[r]
         # The row's tokens a chunk at a time, each chunk's scores within _CHUNK_SCORES: a query's sums do not
         # depend on which others share its chunk (_scores, _weighted_values), so neither on the chunking.
-        chunk = max(1, min(_CHUNK_TOKENS, _CHUNK_SCORES // (group * (cached + new))))
+        chunk = max(1, min(_CHUNK_TOKENS, _CHUNK_SCORES // (heads * group * (cached + new))))
         for first in range(0, new, chunk):
             end = min(first + chunk, new)
-            _attend_chunk(
-                q, k_cache, v_cache, starts[r], (first, end, new), (slot, cached, kv_head), tree, tree_masks, scale, out
-            )
+            place = (slot, cached, first_head, heads)
+            _attend_chunk(q, k_cache, v_cache, starts[r], (first, end, new), place, tree, tree_masks, scale, out)
 
 
 @njit(inline="always", fastmath=_FAST)
 def _attend_chunk(q, k_cache, v_cache, start, tokens, place, tree, tree_masks, scale, out):
-    """attend for tokens (first, end, new) of one row (its queries from q[start + first]) and one KV head: place =
-    (slot, cached, kv_head). The chunk's keys end at its last token's own."""
+    """attend for tokens (first, end, new) of one row (its queries from q[start + first]) and KV heads
+    first_head .. first_head + heads - 1: place = (slot, cached, first_head, heads). The chunk's keys end at its
+    last token's own."""
     first, end, new = tokens
-    slot, cached, kv_head = place
+    slot, cached, first_head, heads = place
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     num_queries, num_keys = (end - first) * group, cached + end
-    # The chunk's queries for this KV head, scaled: query i is token first + i // G, head kv_head * G + i % G.
-    queries = np.empty((num_queries, head_dim), np.float32)
-    for i in range(num_queries):
-        for d in range(head_dim):
-            queries[i, d] = q[start + first + i // group, kv_head * group + i % group, d] * scale
-    scores = np.empty((num_queries, num_keys), np.float32)
-    _scores(queries, k_cache, slot, kv_head, num_keys, scores)
-    for i in range(num_queries):
-        t = first + i // group
-        seen = cached + t + 1  # a chain's and a tree's keys both end at the query's own
-        for key in range(seen, num_keys):
-            scores[i, key] = 0.0
-        if tree != NO_TREE:
-            for j in range(t + 1):
-                if not tree_masks[tree + t * new + j]:
-                    scores[i, cached + j] = -np.inf
-        top = -np.inf
-        for key in range(seen):
-            top = max(top, scores[i, key])
-        _exp_minus(scores[i], seen, top)
-        if tree != NO_TREE:  # exactly nothing from the keys the tree hides
-            for j in range(t + 1):
-                if not tree_masks[tree + t * new + j]:
-                    scores[i, cached + j] = 0.0
-        total = np.float32(0.0)
-        for key in range(seen):
-            total += scores[i, key]
-        inverse = np.float32(1.0) / total
-        for key in range(seen):
-            scores[i, key] *= inverse
-    sums = np.zeros((num_queries, head_dim), np.float32)
-    _weighted_values(scores, v_cache, slot, kv_head, num_keys, sums)
-    for i in range(num_queries):
-        for d in range(head_dim):
-            out[start + first + i // group, kv_head * group + i % group, d] = sums[i, d]
+    # The chunk's queries for each of these KV heads, scaled: query i of KV head first_head + h is token
+    # first + i // G, head (first_head + h) * G + i % G.
+    queries = np.empty((heads, num_queries, head_dim), np.float32)
+    for h in range(heads):
+        for i in range(num_queries):
+            for d in range(head_dim):
+                queries[h, i, d] = q[start + first + i // group, (first_head + h) * group + i % group, d] * scale
+    scores = np.empty((heads, num_queries, num_keys), np.float32)
+    _scores(queries, k_cache, slot, first_head, num_keys, scores)
+    for h in range(heads):
+        for i in range(num_queries):
+            _softmax(scores[h, i], first + i // group, (cached, num_keys, new), tree, tree_masks)
+    # Each head's sums in _VALUE_QUERIES - 1 rows more than its queries: scratch (_weighted_values).
+    sums = np.zeros((heads, num_queries + _VALUE_QUERIES - 1, head_dim), np.float32)
+    _weighted_values(scores, v_cache, slot, first_head, num_keys, sums)
+    for h in range(heads):
+        for i in range(num_queries):
+            for d in range(head_dim):
+                out[start + first + i // group, (first_head + h) * group + i % group, d] = sums[h, i, d]
+
+
+@njit(inline="always", fastmath=_FAST)
+def _softmax(scores, t, keys, tree, tree_masks):
+    """One query's scores over keys = (cached, num_keys, new), in place: its weights, for token t of its row."""
+    cached, num_keys, new = keys
+    seen = cached + t + 1  # a chain's and a tree's keys both end at the query's own
+    for key in range(seen, num_keys):
+        scores[key] = 0.0
+    if tree != NO_TREE:
+        for j in range(t + 1):
+            if not tree_masks[tree + t * new + j]:
+                scores[cached + j] = -np.inf
+    top = -np.inf
+    for key in range(seen):
+        top = max(top, scores[key])
+    _exp_minus(scores, seen, top)
+    if tree != NO_TREE:  # exactly nothing from the keys the tree hides
+        for j in range(t + 1):
+            if not tree_masks[tree + t * new + j]:
+                scores[cached + j] = 0.0
+    total = np.float32(0.0)
+    for key in range(seen):
+        total += scores[key]
+    inverse = np.float32(1.0) / total
+    for key in range(seen):
+        scores[key] *= inverse
 
 
 # Cephes' expf: exp(x) = 2**n * e**r, n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e**r by a
@@ -908,82 +939,104 @@ def _exp_minus(row, count, top):
 
 
 @njit(fastmath=_FAST)
-def _scores(queries, k_cache, slot, kv_head, num_keys, scores):
-    """scores[i, key] = queries[i] . k_cache[slot, key, kv_head]: two queries by four keys at a time (the
-    matrix kernel's blocking), so each key is read from memory once and each pair of queries from cache.
-    The four keys _KEYS_AHEAD on are prefetched meanwhile, a share before each call: a head's keys lie 512
-    bytes in every KVH * 512, a stride the hardware's prefetchers followed too late."""
+def _scores(queries, k_cache, slot, first_head, num_keys, scores):
+    """scores[h, i, key] = queries[h, i] . k_cache[slot, key, first_head + h]: two queries by four keys at a time
+    (the matrix kernel's blocking), so each key is read from memory once and each pair of queries from cache,
+    and a key's heads one after the other, in the cache's order. The four keys _KEYS_AHEAD on are prefetched
+    meanwhile, a share before each call (the hardware's prefetchers followed one head's stride too late)."""
     _wide_vectors()
-    num_queries = queries.shape[0]
+    heads, num_queries = queries.shape[0], queries.shape[1]
     max_len, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    keys = k_cache[slot].reshape(max_len * num_kv_heads, head_dim)  # key k of this head: row k * KVH + kv_head
-    calls = (num_queries + 1) // 2  # dot calls per four keys, which share the prefetches between them
+    keys = k_cache[slot].reshape(max_len * num_kv_heads, head_dim)  # key k of head h: row k * KVH + h
+    calls = (num_queries + 1) // 2  # dot calls per four keys of a head, which share its prefetches between them
     # The last 1-3 keys take the block of the last four (computing some keys again, to the same bits), so that
     # every score comes from the same loop whatever the number of keys: a query's scores do not depend on the
     # row's length.
     last = num_keys - 4
     for block in range((num_keys + 3) // 4 if num_keys >= 4 else 0):
         key = min(4 * block, last)
-        row = key * num_kv_heads + kv_head
-        i = 0
-        while i + 1 < num_queries:
-            _prefetch_keys(keys, key + _KEYS_AHEAD, i // 2, calls, num_keys, num_kv_heads, kv_head)
-            dot_4x2(queries, i, i + 1, keys, row, num_kv_heads, scores, key)
-            i += 2
-        if i < num_queries:  # the odd query out, paired with itself: the same code as every other query's
-            _prefetch_keys(keys, key + _KEYS_AHEAD, i // 2, calls, num_keys, num_kv_heads, kv_head)
-            dot_4x2(queries, i, i, keys, row, num_kv_heads, scores, key)
+        for h in range(heads):
+            head_queries, head_scores, kv_head = queries[h], scores[h], first_head + h
+            row = key * num_kv_heads + kv_head
+            i = 0
+            while i + 1 < num_queries:
+                _prefetch_keys(keys, key + _KEYS_AHEAD, i // 2, calls, num_keys, num_kv_heads, kv_head)
+                dot_4x2(head_queries, i, i + 1, keys, row, num_kv_heads, head_scores, key)
+                i += 2
+            if i < num_queries:  # the odd query out, paired with itself: the same code as every other query's
+                _prefetch_keys(keys, key + _KEYS_AHEAD, i // 2, calls, num_keys, num_kv_heads, kv_head)
+                dot_4x2(head_queries, i, i, keys, row, num_kv_heads, head_scores, key)
     for k in range(num_keys if num_keys >= 4 else 0, num_keys):  # fewer than four keys in all
-        for i in range(num_queries):
-            dot = np.float32(0.0)
-            for d in range(head_dim):
-                dot += queries[i, d] * _as_float(keys[k * num_kv_heads + kv_head, d])
-            scores[i, k] = dot
+        for h in range(heads):
+            for i in range(num_queries):
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += queries[h, i, d] * _as_float(keys[k * num_kv_heads + first_head + h, d])
+                scores[h, i, k] = dot
 
 
 @njit(fastmath=_FAST)
-def _weighted_values(weights, v_cache, slot, kv_head, num_keys, sums):
-    """sums[i] += sum over keys of weights[i, key] * v_cache[slot, key, kv_head], four keys at a time, while
-    the values _KEYS_AHEAD keys on stream in (as _scores' keys)."""
+def _weighted_values(weights, v_cache, slot, first_head, num_keys, sums):
+    """sums[h, i] += sum over keys of weights[h, i, key] * v_cache[slot, key, first_head + h]: four keys at a
+    time, a key's heads one after the other, and _VALUE_QUERIES queries at a time, while the values _KEYS_AHEAD
+    keys on stream in (as _scores' keys). sums has _VALUE_QUERIES - 1 rows a head past its queries', which take
+    a last group's missing queries (a copy of the head's last query's weights)."""
     _wide_vectors()
-    num_queries, head_dim = sums.shape
-    max_len, num_kv_heads = v_cache.shape[1], v_cache.shape[2]
+    heads, num_queries = weights.shape[0], weights.shape[1]
+    max_len, num_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     values = v_cache[slot].reshape(max_len * num_kv_heads, head_dim)  # as _scores' keys
+    groups, last_query = (num_queries + _VALUE_QUERIES - 1) // _VALUE_QUERIES, num_queries - 1
     # Keys in fours from key 0, the last 1-3 padded with the row's last key at weight zero, each four through
-    # _four_values: a key's term joins the same three others in the same code whatever the number of keys, so a
-    # query's sums do not depend on the row's length (keys past a query's own weigh exactly zero).
-    whole = num_keys // 4 * 4
-    for key in range(0, whole, 4):
-        for i in range(num_queries):
-            _prefetch_keys(values, key + _KEYS_AHEAD, i, num_queries, num_keys, num_kv_heads, kv_head)
-            weights_of = (weights[i, key], weights[i, key + 1], weights[i, key + 2], weights[i, key + 3])
-            _four_values(v_cache, slot, kv_head, (key, key + 1, key + 2, key + 3), weights_of, sums[i])
-    if whole < num_keys:
-        last = num_keys - 1
-        keys_of = (whole, min(whole + 1, last), min(whole + 2, last), last)
-        for i in range(num_queries):
-            w1 = weights[i, whole + 1] if whole + 1 < num_keys else _ZERO
-            w2 = weights[i, whole + 2] if whole + 2 < num_keys else _ZERO
-            _four_values(v_cache, slot, kv_head, keys_of, (weights[i, whole], w1, w2, _ZERO), sums[i])
+    # the one call of _four_values, three queries at a time (a group short of three filled with the last query's
+    # weights, its sums into the scratch rows): a key's term joins the same three others in the same code whatever
+    # the number of keys or queries, so a query's sums do not depend on the row's length or its chunk (keys past a
+    # query's own weigh exactly zero). One call for the whole fours and the last: two copies of the loop were
+    # vectorized differently, which gave the last four's keys other bits.
+    last = num_keys - 1
+    for key in range(0, num_keys, 4):
+        keys_of = (key, min(key + 1, last), min(key + 2, last), min(key + 3, last))
+        for h in range(heads):
+            head_weights, head_sums, kv_head = weights[h], sums[h], first_head + h
+            for i in range(0, num_queries, _VALUE_QUERIES):  # not i = 3 g: LLVM then kept the loop scalar (0.4x)
+                i1, i2 = min(i + 1, last_query), min(i + 2, last_query)
+                _prefetch_keys(values, key + _KEYS_AHEAD, i // _VALUE_QUERIES, groups, num_keys, num_kv_heads, kv_head)
+                weights_of = (
+                    _key_weights(head_weights, i, key, num_keys),
+                    _key_weights(head_weights, i1, key, num_keys),
+                    _key_weights(head_weights, i2, key, num_keys),
+                )
+                _four_values(v_cache, (slot, kv_head), keys_of, weights_of, head_sums, i)
+
+
+@njit(inline="always")
+def _key_weights(weights, i, key, num_keys):
+    """Query i's weights of keys key .. key + 3, zero past num_keys."""
+    w1 = weights[i, key + 1] if key + 1 < num_keys else _ZERO
+    w2 = weights[i, key + 2] if key + 2 < num_keys else _ZERO
+    w3 = weights[i, key + 3] if key + 3 < num_keys else _ZERO
+    return weights[i, key], w1, w2, w3
 
 
 @njit(inline="always", fastmath=_FAST)
-def _four_values(v_cache, slot, kv_head, keys_of, weights_of, sums):
-    """sums += the four keys' values, each times its weight (keys_of, weights_of: four each)."""
+def _four_values(v_cache, place, keys_of, weights_of, sums, i):
+    """Three queries' sums += the four keys' values, each times the query's weight (keys_of: four; weights_of:
+    four per query), each value read once for the three."""
+    slot, kv_head = place
     k0, k1, k2, k3 = keys_of
-    w0, w1, w2, w3 = weights_of
-    for d in range(sums.shape[0]):
-        sums[d] += (
-            w0 * _as_float(v_cache[slot, k0, kv_head, d])
-            + w1 * _as_float(v_cache[slot, k1, kv_head, d])
-            + w2 * _as_float(v_cache[slot, k2, kv_head, d])
-            + w3 * _as_float(v_cache[slot, k3, kv_head, d])
-        )
+    (a0, a1, a2, a3), (b0, b1, b2, b3), (c0, c1, c2, c3) = weights_of
+    for d in range(sums.shape[1]):
+        v0 = _as_float(v_cache[slot, k0, kv_head, d])
+        v1 = _as_float(v_cache[slot, k1, kv_head, d])
+        v2 = _as_float(v_cache[slot, k2, kv_head, d])
+        v3 = _as_float(v_cache[slot, k3, kv_head, d])
+        sums[i, d] += a0 * v0 + a1 * v1 + a2 * v2 + a3 * v3
+        sums[i + 1, d] += b0 * v0 + b1 * v1 + b2 * v2 + b3 * v3
+        sums[i + 2, d] += c0 * v0 + c1 * v1 + c2 * v2 + c3 * v3
 
 
 @njit(inline="always")
 def _prefetch_keys(rows, first, share, shares, end, num_kv_heads, kv_head):
-    """Prefetch into L1 the share-th of `shares` parts of keys first .. first + 3 of one head, those below end
+    """Prefetch (_KEYS_TO) the share-th of `shares` parts of keys first .. first + 3 of one head, those below end
     (the keys a row sees): rows key * KVH + kv_head of rows [max_len * KVH, D]. A loop over four keys calls it
     once per part, spread over its work: issued at once, the same prefetches took 0.79-0.92x the time of
     none; spread, 0.67-0.85x (docs/engine-cpu.md's attention paragraph)."""
@@ -993,7 +1046,7 @@ def _prefetch_keys(rows, first, share, shares, end, num_kv_heads, kv_head):
 
 @intrinsic
 def _prefetch_row(typingctx, rows, row):
-    """Prefetch into L1 every 64-byte line of rows[row] (a C-contiguous 2D float32 array, or int16: bfloat16)."""
+    """Prefetch (_KEYS_TO) every 64-byte line of rows[row] (a C-contiguous 2D float32 array, or int16: bfloat16)."""
     if rows.layout != "C":
         return None
     line_bits = 5 if rows.dtype == types.int16 else 4  # log2 of the values a line holds
@@ -1006,7 +1059,7 @@ def _prefetch_row(typingctx, rows, row):
         lines = builder.lshr(builder.add(width, _I64((1 << line_bits) - 1)), _I64(line_bits))
         with cgutils.for_range(builder, lines) as loop:
             line = builder.gep(start, [builder.shl(loop.index, _I64(line_bits))])
-            builder.call(prefetch, [builder.bitcast(line, _I8P), _I32(0), _I32(_TO_L1), _I32(1)])
+            builder.call(prefetch, [builder.bitcast(line, _I8P), _I32(0), _I32(_KEYS_TO), _I32(1)])
         return context.get_dummy_value()
 
     return types.none(rows, row), codegen
@@ -1044,6 +1097,7 @@ def warm_up_layer() -> None:
         *rows,
         np.full(1, -1, np.int64),
         zeros(0, np.bool_),
+        1,
         heads,
     )
     if not np.array_equal(x, before) or not np.array_equal(caches[1][0, :num], np.ones((num, 1, head_dim))):
@@ -1157,6 +1211,7 @@ def decoder_layer(
     num_cached,
     tree_offsets,
     tree_masks,
+    task_heads,
     num_heads,
 ):
     """One layer over x [N, hidden] in place (x += attention(norm(x)); x += mlp(norm(x))).
@@ -1178,7 +1233,7 @@ def decoder_layer(
     q = _lined_rows(num, num_heads * head_dim).reshape((num, num_heads, head_dim))
     _positions(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, kv_slots, kv_positions, q)
     attended = _lined_rows(num, num_heads * head_dim).reshape((num, num_heads, head_dim))
-    attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, attended)
+    attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, task_heads, attended)
     projected = np.empty_like(x)
     matmul(attended.reshape((num, num_heads * head_dim)), o_weight, projected)
     _add(x, projected)

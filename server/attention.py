@@ -586,6 +586,7 @@ def row_attention(
                 compiled.num_cached,
                 compiled.tree_offsets,
                 compiled.tree_masks,
+                kernel.task_heads(len(compiled.slots), k_cache.shape[2]),
                 sums.numpy(),
             )
             if sums is not out:

@@ -102,6 +102,7 @@ class CompiledLayers:
         tree = (compiled.tree_offsets, compiled.tree_masks)
         residual, cos_rows, sin_rows = x.detach().numpy(), cos.contiguous().numpy(), sin.contiguous().numpy()
         kv_slots, kv_positions = batch.kv_slots.numpy(), batch.kv_positions.numpy()
+        task_heads = kernel.task_heads(len(compiled.slots), k_caches[0].shape[2])
         for weights, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down = weights
             kernel.decoder_layer(
@@ -124,6 +125,7 @@ class CompiledLayers:
                 kv_positions,
                 *rows,
                 *tree,
+                task_heads,
                 self.num_heads,
             )
 
