@@ -50,7 +50,7 @@ M = 1-6 0.74-0.93x its time (at the stream's speed), M = 7-8 0.99-1.05x, M = 12-
 
 Attention. Every short row of a step (a decode token, a verify chain or tree)
 attends to its own KV slot in one call: one parallel task per (row, KV head),
-or per row where the rows keep every thread busy (Zen 4: task_heads), reading the
+or per row where the rows keep every thread busy (AVX-512: task_heads), reading the
 slot in place. A task scores each visible key against the G query
 heads that share the KV head while the key is in cache, takes a softmax per query
 head, and sums the values the same way, prefetching keys and values 16 keys
@@ -170,15 +170,17 @@ _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was
 # (docs/engine-cpu.md).
 _PREFETCH_REPEATS = 3 if _ZEN_AVX512 else 1
 _REPEATED_PASSES = 4
-# Attention's prefetches of keys and values: into L1 (prefetcht0), each read while it is there. On Zen 4 into L2,
-# and a task takes all of a row's KV heads where the rows keep every thread busy (task_heads), reading each key's
-# heads side by side: one layer's attention at 8 x 1 on 2,000 cached keys a row, from memory, took 0.51x the time
-# of a task a head prefetching into L1 (scores alone, one thread: 0.45x; heads side by side into L1 0.99x, a head
-# a task into L2 0.92x), whole 8 x 1 forwards there 0.90x, other steps and 200 keys 0.99-1.01x, on a 2-core
-# Zen 4 EPYC (docs/engine-cpu.md). Other CPUs keep what they had (untimed there).
+# Attention's prefetches of keys and values: into L1 (prefetcht0), each read while it is there. On AVX-512 CPUs
+# into L2, and a task takes all of a row's KV heads where the rows keep every thread busy (task_heads), reading
+# each key's heads side by side: one layer's attention at 8 x 1 on 2,000 cached keys a row, from memory, took 0.51x
+# the time of a task a head prefetching into L1 (scores alone, one thread: 0.45x; heads side by side into L1 0.99x,
+# a head a task into L2 0.92x), whole 8 x 1 forwards there 0.90x, other steps and 200 keys 0.99-1.01x, on a 2-core
+# Zen 4 EPYC; on a 2-core AVX-512 Xeon 28 layers' attention at 8 x 1 took 0.74x at 2,000 keys, 0.82x at 1,000
+# and 0.96x at 200, 8 x 5 0.97-1.01x, and whole 8 x 1 forwards at 2,000 keys 0.94-0.97x (docs/engine-cpu.md).
+# AVX2 CPUs keep what they had (untimed there).
 _TO_L1 = 3  # prefetcht0
-_HEADS_TOGETHER = _ZEN_AVX512
-_KEYS_TO = _TO_L2 if _ZEN_AVX512 else _TO_L1
+_HEADS_TOGETHER = _AVX512
+_KEYS_TO = _TO_L2 if _AVX512 else _TO_L1
 _VALUE_QUERIES = 3  # queries that share each value read in _weighted_values (six from L2: 0.71-0.76x the time of one)
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
 _CHUNK_TOKENS = 16  # a row's tokens attend in chunks of at most this many (attention.py's NUMBA_MAX_NEW)

@@ -6,7 +6,7 @@
 - `numba` (CPU, float32 or bfloat16): every row of up to NUMBA_MAX_NEW new tokens (decode
   tokens, verify chains and trees) and NUMBA_MAX_SCORES scores attends in one
   compiled call per layer, one task per (row, KV head) (per row, its heads side by
-  side, where the rows keep every thread busy on Zen 4), reading its slot in place
+  side, where the rows keep every thread busy on AVX-512), reading its slot in place
   (server/_forward_numba.py). Longer rows (prefill chunks, verify rounds deep
   into a long context) take `rows`' scaled-dot-product call, whose flash kernel
   reuses each key over many queries. But in a step the compiled layers take
