@@ -106,7 +106,9 @@ _I8P = ir.IntType(8).as_pointer()
 # AMD's AVX-512 cores (Zen 4 on): there a lone pass (one pass takes every x row) prefetching the whole next block
 # read [8960, 1536] weights at 0.93-0.98x a torch read where the plain loop read at 0.79-0.81x (M = 1), and at
 # M = 3-6 1.10-1.16x faster than prefetching half the block, in turn on a 2-core EPYC (docs/engine-cpu.md). On
-# the Xeon and the AVX2 EPYC the plain loop read at 0.94-0.95x, so M = 1-2 keep it there.
+# the AVX2 EPYC the plain loop read at 0.94-0.95x, so M = 1-2 keep it there. On a 2-core AVX-512 Xeon the lone
+# pass took 0.99x the plain loop's time at M = 1 and 0.95x at M = 2 in float32, 0.61x and 0.69x in bfloat16; and
+# the plain loops sum in LLVM's order, so there M = 1 gave each row other bits than M >= 2 (docs/engine-cpu.md).
 _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
 # Products of up to this many rows run `matmul`; larger ones, oneDNN's GEMM on the same plain weights
 # (server/matmul.py), whose blocked kernels reuse each weight over many more rows. Over a forward's worth of the
@@ -118,7 +120,7 @@ _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
 # 96-128 (docs/engine-cpu.md).
 MAX_ROWS = 120 if _ZEN_AVX512 else 40 if _AVX512 else 48
 MAX_ROWS_BFLOAT16 = 64 if _ZEN_AVX512 else MAX_ROWS
-_PREFETCH_FROM = 1 if _ZEN_AVX512 else 3  # x rows from which the product's passes prefetch the next block
+_PREFETCH_FROM = 1 if _AVX512 else 3  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 # The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of
 # it elsewhere. With the 3 x 8 tile's fence (_step_fence), every product of the 1.5B in turn with the tiles before

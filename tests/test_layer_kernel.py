@@ -116,15 +116,15 @@ def test_only_the_numba_paths_together_compile_layers(tiny_target_dir, matmul, a
 def test_a_tokens_logits_do_not_depend_on_the_step_it_rides_in(model, calls):
     """On the compiled path a token's logits have the same bits whether it is decoded a step at a time, verified in
     a row of several tokens, decoded beside seven other rows, or verified beside a prefill chunk. The products sum
-    every row alike (from three rows a step on every CPU, from one on Zen 4), attention walks each query's keys in
+    every row alike (from one row a step on AVX-512 CPUs, from three on AVX2), attention walks each query's keys in
     the same blocks whatever the row's length, and a step with a long row runs compiled too. So where steps run
     this path, greedy verification accepts exactly the tokens server-only decoding picks, not only up to near ties.
-    Every step here has three tokens or more."""
+    Every step here has three tokens or more, and on AVX-512 the token is also decoded alone, a token a step."""
     torch.manual_seed(1)
     vocab = model.lm_head.out_features
     prompt, new = torch.randint(vocab, (11,)).tolist(), torch.randint(vocab, (8,)).tolist()
     others = [torch.randint(vocab, (13 + len(new),)).tolist() for _ in range(7)]
-    runner = ModelRunner(model, KVCache(model, num_slots=12, max_len=MAX_LEN, device=CPU, dtype=torch.float32))
+    runner = ModelRunner(model, KVCache(model, num_slots=13, max_len=MAX_LEN, device=CPU, dtype=torch.float32))
 
     def prefill(slot, ids):
         runner.forward([ForwardRequest(slot, 0, tuple(ids), all_logits=False)])
@@ -159,3 +159,8 @@ def test_a_tokens_logits_do_not_depend_on_the_step_it_rides_in(model, calls):
     assert len(calls) == before + 2 * len(new) + 4 + 7  # every step ran the compiled layers, the prefills too
     for got in (in_a_row, torch.cat(in_two), beside_seven, beside_a_prefill):
         assert torch.equal(got, alone)
+    kernel = layer_kernel.numba_kernel()
+    assert kernel is not None
+    if kernel._PREFETCH_FROM == 1:  # one-row products take the tiles too: the server-only baseline at N = 1
+        prefill(12, prompt)
+        assert torch.equal(decoded_beside(12, []), alone)

@@ -41,8 +41,8 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
 @pytest.mark.parametrize("out_features", [9, 130, 131])  # ragged: partial blocks of 4 rows and of 3
 @pytest.mark.parametrize("in_features", [96, 2080])  # 2080 (Zen 4, 16 rows on): K in chunks of 2048 and 32
 def test_a_rows_products_do_not_depend_on_how_many_rows_share_them(in_features, out_features, dtype):
-    """Every x row's products have the same bits at every row count the kernel's tiles take (from one row on Zen 4,
-    from three elsewhere: fewer run plain loops that LLVM vectorizes in its own order), up to its limit; so on that
+    """Every x row's products have the same bits at every row count the kernel's tiles take (from one row on AVX-512,
+    from three on AVX2: fewer run plain loops that LLVM vectorizes in its own order), up to its limit; so on that
     path a token's products do not depend on the other tokens of its step. The last rows past the tiles' blocks
     are no exception."""
     llvm = pytest.importorskip("llvmlite.binding")
