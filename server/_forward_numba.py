@@ -15,7 +15,7 @@ from memory once and then from cache, by each later pass. At small M this reads 
 weights at or near the machine's memory speed, where oneDNN and MKL reach 50-85% of it
 (`specedge-bench engine`'s kernel table). Larger M are left to oneDNN, whose
 blocked GEMM reuses each weight over many more rows (MAX_ROWS). From three x rows
-on (on Zen 4 from one), passes take x up to _GROUP rows at a time, in groups as even
+on (on AVX-512 from one), passes take x up to _GROUP rows at a time, in groups as even
 as the rows allow, and each pass prefetches its share of the next block's lines, one
 line every step or two (on Zen 4 the whole next block, up to four lines a step), so that a pass reading
 its block from cache does not leave the memory idle. On Zen 4, M = 1 reads w a row at a time
@@ -217,8 +217,8 @@ def warm_up_matmul_bfloat16() -> None:
 def _check_products(one) -> None:
     """All-ones products of every pass the kernel has, in one's type: the plain loops, then prefetching passes of
     every size (AVX2: 2 + 2, 3 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4 and 5 alone, the 3 x 7 and 3 x 8
-    tiles, 6 + 5 (bfloat16: 4 + 4 + 3); on Zen 4 also 1 row by row, 1 alone (x past _ROW_BY_ROW_BYTES) and 2
-    alone). 64 columns: two of bfloat16's steps."""
+    tiles, 6 + 5 (bfloat16: 4 + 4 + 3), 1 and 2 alone; on Zen 4 also 1 row by row, and 1 alone where x passes
+    _ROW_BY_ROW_BYTES). 64 columns: two of bfloat16's steps."""
     shapes = ((3, 5), (1, 4 * _LANES), (2, 4 * _LANES), (4, 4 * _LANES), (5, 4 * _LANES), (7, 4 * _LANES))
     long_row = (1, _ROW_BY_ROW_BYTES // np.dtype(type(one)).itemsize + 4 * _LANES)
     for rows, columns in (*shapes, (8, 4 * _LANES), long_row, (11, 4 * _LANES)):
