@@ -34,9 +34,9 @@ prefetches two lines a step, half the next block rather than a quarter. M = 7-8 
 blocks of three weight rows in one pass (a 3 x 8 tile: 24 sums, three w vectors held,
 x loaded vector by vector), not blocks of four in two passes, so no pass reads its
 block from cache while the memory waits. And from M = 9 on every pass walks a block a
-K chunk at a time (_chunked_passes), so that the block streams in throughout. Whole
-forwards of the 1.5B on the 2-core Xeon, in turn with the kernel before each change:
-1 x 5 0.92-0.95x and 8 x 1 0.92-0.95x; 2 x 5 to 5 x 5 0.93-0.95x, 8 x 5 0.99x.
+K chunk at a time (_chunked_passes), so that the block streams in throughout (off Zen 4
+two blocks side by side: _SPAN). Whole forwards of the 1.5B on the 2-core Xeon, in turn
+with the kernel before each change: 1 x 5 0.92-0.95x and 8 x 1 0.92-0.95x; 2 x 5 to 5 x 5 0.93-0.95x, 8 x 5 0.99x.
 `_prefetching_tile` writes the tiles in LLVM IR because a prefetch inside a numba
 loop stops LLVM from vectorizing it. Prefetching a whole share at once, between
 passes, was slower (docs/engine-cpu.md's 8 x 1 paragraph).
@@ -153,6 +153,14 @@ _LONE_AHEAD_FROM = 5
 # bfloat16 was mixed (M = 24-32 1.01-1.03x, 40-64 0.91-0.95x) and keeps them (docs/engine-cpu.md).
 _LONG_CHUNKS = 2048 if _ZEN_AVX512 else 0
 _LONG_CHUNKS_FROM = 16
+# Elsewhere the chunked passes take two blocks side by side: a pass walks a chunk of one block, then the same chunk of
+# the next, with the same x rows, and each block's calls prefetch the block two on. Over all of the 1.5B's products
+# in turn with blocks one at a time on a 2-core AVX-512 Xeon: M = 9 and 16-24 0.93-0.94x the time, 12 0.99x, 40
+# 0.96-0.97x, 64 0.97x; prefetching two blocks on with blocks one at a time gained nothing (0.98-1.01x), nor did
+# two blocks side by side prefetching one on (1.01-1.06x), three or four side by side gained less (M = 24
+# 0.94-0.96x), and bfloat16 was unchanged (1.00x). Whole forwards 2 x 5 0.97x, 4 x 5 0.93x, 8 x 5 0.95x, same bits
+# (docs/engine-cpu.md). Zen 4, untimed with it, keeps one block at a time.
+_SPAN = 1 if _ZEN_AVX512 else 2
 # The 3 x 8 tile's sums that go through memory every step on Zen 4 (stored, and loaded again after the step's
 # fence) rather than staying in registers. numba links each parallel loop into every kernel that calls it and
 # optimizes it again there, and its disk cache keeps only those copies: a process that compiled the kernel ran the
@@ -340,7 +348,8 @@ def _chunked_passes(x, w, y):
     block streams in throughout, not only in the first of its passes, and the later passes read the chunk from L1
     (in turn with whole passes over every product of the 1.5B on a 2-core Xeon: M = 9-24 0.91-0.94x, M = 28
     0.95x, M = 40 0.96-0.97x). 256 floats a chunk up to four passes; 512 beyond, where the sums' loads and
-    stores weigh more; on Zen 4 _LONG_CHUNKS from _LONG_CHUNKS_FROM float32 rows."""
+    stores weigh more; on Zen 4 _LONG_CHUNKS from _LONG_CHUNKS_FROM float32 rows. _SPAN blocks side by side: each
+    pass over a chunk goes on to the same chunk of the next block in the span, each block with its own sums."""
     m_rows, k = x.shape
     n = w.shape[0]
     # bfloat16's passes hold five x rows: vdpbf16ps takes its operands in registers, where an FMA reads its w vector
@@ -360,25 +369,27 @@ def _chunked_passes(x, w, y):
     share = min((block_lines + chunks * passes - 1) // (chunks * passes), _CHUNK_LINES * last_steps)
     repeated = passes <= _REPEATED_PASSES
     for stripe in prange(_STRIPES):  # runs of blocks, each with one scratch for its sums
-        sums = _lined_rows(passes * 4 * _GROUP, _LANES)
-        for block in range(full_blocks * stripe // _STRIPES, full_blocks * (stripe + 1) // _STRIPES):
-            o = block * 4
-            ahead = min(block + 1, full_blocks - 1) * 4 * k  # the last block prefetches itself, harmlessly
+        sums = _lined_rows(_SPAN * passes * 4 * _GROUP, _LANES)
+        start, end = full_blocks * stripe // _STRIPES, full_blocks * (stripe + 1) // _STRIPES
+        for span in range(start, end, _SPAN):  # _SPAN blocks, each pass over a chunk of each in turn
             for c in range(chunks):
                 for group in range(passes):
                     first = group * size + min(group, larger)
                     call = min(c * passes + group, block_lines // share - 1)  # the last calls prefetch again
-                    _chunk_pass(
-                        x,
-                        first,
-                        size + (group < larger),
-                        w,
-                        o,
-                        y,
-                        (ahead + call * share * per_line, share, repeated),
-                        (c * chunk, min((c + 1) * chunk, k)),
-                        sums[group * 4 * _GROUP :],
-                    )
+                    for block in range(span, min(span + _SPAN, end)):
+                        # Each block's calls prefetch the block _SPAN on; the last blocks prefetch themselves.
+                        ahead = min(block + _SPAN, full_blocks - 1) * 4 * k
+                        _chunk_pass(
+                            x,
+                            first,
+                            size + (group < larger),
+                            w,
+                            block * 4,
+                            y,
+                            (ahead + call * share * per_line, share, repeated),
+                            (c * chunk, min((c + 1) * chunk, k)),
+                            sums[((block - span) * passes + group) * 4 * _GROUP :],
+                        )
     _dot_rows(x, w, full_blocks * 4, y)
 
 
