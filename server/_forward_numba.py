@@ -117,9 +117,13 @@ _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
 # Zen 4 EPYC, over all of the 1.5B's products (6.2 GB) in turn with oneDNN's GEMM on the same weights, float32 took
 # 0.81-0.88x its time at M = 41-64, 0.91-0.94x at 72-96, 0.99x at 112-120 and 1.01-1.04x at 128-160 (with
 # _LONG_CHUNKS 0.78-0.91x at 48-96 and 0.97x at 120); bfloat16 0.85-0.86x at 41-64, 0.99x at 80 and 1.02-1.05x at
-# 96-128 (docs/engine-cpu.md).
-MAX_ROWS = 120 if _ZEN_AVX512 else 40 if _AVX512 else 48
-MAX_ROWS_BFLOAT16 = 64 if _ZEN_AVX512 else MAX_ROWS
+# 96-128 (docs/engine-cpu.md). On the Xeon, once the chunked passes took two blocks side by side (_SPAN), float32
+# took 0.84-0.91x oneDNN's time at M = 40-56, 0.94-0.96x at 64, 0.98x at 72, 1.00x at 80, 1.07x at 96; whole
+# forwards in turn with the limit at 40: 41-56 tokens (8 x 6, 9 x 5, 10 x 5, 11 x 5, 12 x 4) 0.91-0.96x, but 12 x 5
+# (60 tokens) 1.02x with the limit at 64 and 14 x 5 (70) 1.07x at 72, so 56. bfloat16 there keeps 40 (oneDNN runs it
+# on AMX; untimed at 41-56).
+MAX_ROWS = 120 if _ZEN_AVX512 else 56 if _AVX512 else 48
+MAX_ROWS_BFLOAT16 = 64 if _ZEN_AVX512 else 40 if _AVX512 else MAX_ROWS
 _PREFETCH_FROM = 1 if _AVX512 else 3  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 # The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of

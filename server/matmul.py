@@ -4,8 +4,8 @@
   plain path, kept for comparison and wherever nothing faster applies.
 - `numba` (CPU, float32; bfloat16 when asked): the weights stay row-major, as
   loaded, in one copy (a tied LM head reads the embedding table itself). A
-  product of up to `numba_max_rows()` rows (48 on AVX2, 40 on AVX-512; on
-  Zen 4 120, and 64 in bfloat16), every decode step's and most verify steps',
+  product of up to `numba_max_rows()` rows (48 on AVX2, 56 on AVX-512, 40 in
+  bfloat16; on Zen 4 120, and 64 in bfloat16), every decode step's and most verify steps',
   runs a numba kernel that streams the weights at memory speed
   (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on the
   same plain weights. On a Xeon that measured as fast as oneDNN's own packed
