@@ -18,7 +18,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("out_features", [4, 6, 7, 130])  # partial blocks of 4 and of 3 rows
+# partial blocks of 4 and of 3 rows; 774: stripes of three and four blocks, so spans of two and of one (_SPAN)
+@pytest.mark.parametrize("out_features", [4, 6, 7, 130, 774])
 # 44: no prefetching tile; 528: K in chunks of 256 and 16; 2080 (Zen 4, 16 rows on): in chunks of 2048 and 32
 @pytest.mark.parametrize("in_features", [48, 44, 528, 2080])
 def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, bias):
@@ -38,7 +39,7 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("out_features", [9, 130, 131])  # ragged: partial blocks of 4 rows and of 3
+@pytest.mark.parametrize("out_features", [9, 130, 131, 774])  # ragged: partial blocks of 4 rows and of 3; 774 as above
 @pytest.mark.parametrize("in_features", [96, 2080])  # 2080 (Zen 4, 16 rows on): K in chunks of 2048 and 32
 def test_a_rows_products_do_not_depend_on_how_many_rows_share_them(in_features, out_features, dtype):
     """Every x row's products have the same bits at every row count the kernel's tiles take (from one row on AVX-512,
