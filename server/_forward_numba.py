@@ -740,7 +740,7 @@ def _horizontal_sums(builder, vectors):
     instructions a sum where each vector alone took nine.
     Over all of the 1.5B's products in turn on a 2-core Xeon: M = 24-56 0.95-0.98x the time, M = 1-16 (memory
     bound) 0.99-1.01x, bfloat16 0.99x; whole forwards within that hour's noise (8 x 5 0.99-1.00x, 4 x 5 0.98x, an
-    identical copy 0.98-1.01x). A short group is padded with copies of its last vector."""
+    identical copy 0.97-1.01x). A short group is padded with copies of its last vector."""
     totals = []
     for first in range(0, len(vectors), _LANES):
         group = list(vectors[first : first + _LANES])
