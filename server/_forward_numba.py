@@ -36,7 +36,8 @@ x loaded vector by vector), not blocks of four in two passes, so no pass reads i
 block from cache while the memory waits. And from M = 9 on every pass walks a block a
 K chunk at a time (_chunked_passes), so that the block streams in throughout (off Zen 4
 two blocks side by side: _SPAN). Whole forwards of the 1.5B on the 2-core Xeon, in turn
-with the kernel before each change: 1 x 5 0.92-0.95x and 8 x 1 0.92-0.95x; 2 x 5 to 5 x 5 0.93-0.95x, 8 x 5 0.99x.
+with the kernel before each change: 1 x 5 0.92-0.95x and 8 x 1 0.92-0.95x; 2 x 5 to
+5 x 5 0.93-0.95x, 8 x 5 0.99x.
 `_prefetching_tile` writes the tiles in LLVM IR because a prefetch inside a numba
 loop stops LLVM from vectorizing it. Prefetching a whole share at once, between
 passes, was slower (docs/engine-cpu.md's 8 x 1 paragraph).
@@ -381,7 +382,7 @@ def _chunked_passes(x, w, y):
                     first = group * size + min(group, larger)
                     call = min(c * passes + group, block_lines // share - 1)  # the last calls prefetch again
                     for block in range(span, min(span + _SPAN, end)):
-                        # Each block's calls prefetch the block _SPAN on; the last blocks prefetch themselves.
+                        # Each block's calls prefetch the block _SPAN on; the last blocks prefetch the last one.
                         ahead = min(block + _SPAN, full_blocks - 1) * 4 * k
                         _chunk_pass(
                             x,
