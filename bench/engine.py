@@ -50,7 +50,14 @@ from specedge import noise
 from specedge.registry import ResolvedModel, resolve
 from specedge.server.draws import RowDraw, draw_rows
 from specedge.server.loading import load_target, weights_dir
-from specedge.server.matmul import PackedLinear, PlainLinear, numba_unavailable, onednn_unavailable
+from specedge.server.matmul import (
+    PackedLinear,
+    PanelEmbedding,
+    PlainLinear,
+    numba_projection,
+    numba_unavailable,
+    onednn_unavailable,
+)
 from specedge.server.model import ModelArgs
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.server.verify import VerifyResult
@@ -291,7 +298,8 @@ def _products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.
     if onednn_unavailable(torch.device("cpu"), weight.dtype) is None:
         paths["onednn"] = PackedLinear(weight, None)
     if numba_unavailable(torch.device("cpu"), weight.dtype) is None:
-        paths["numba"] = PlainLinear(weight, None)  # past numba_max_rows(): oneDNN's GEMM on the plain weight
+        # Panels (float32 on AVX-512) at every M; plain weights past numba_max_rows() run oneDNN's GEMM on them.
+        paths["numba"] = numba_projection(weight.dtype)(weight, None)
     return paths
 
 
@@ -317,7 +325,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     why_not = onednn_unavailable(torch.device("cpu"), dtype)
     kernels["onednn@1"] = why_not or PackedLinear(linear.weight, None, rows=1)
     kernels["onednn@16"] = why_not or PackedLinear(linear.weight, None, rows=16)
-    kernels["numba"] = numba_unavailable(torch.device("cpu"), dtype) or PlainLinear(linear.weight, None)
+    kernels["numba"] = numba_unavailable(torch.device("cpu"), dtype) or numba_projection(dtype)(linear.weight, None)
     rows, compile_s = [], {}
     with torch.inference_mode():
         for m in ms:
@@ -402,7 +410,8 @@ def time_path(
     # layer by layer through the modules (with the compiled attention): all taken in turn.
     baselines = {"rows": ("rows", None), **({"modules": (attention, None)} if layers is not None else {})}
     settings = {"default": (attention, layers), **(baselines if attention != "rows" else {})}
-    table = model.model.embed_tokens.weight.detach()
+    embedding = model.model.embed_tokens  # a tied table on panels: the same bytes, as [panels x in, PANEL]
+    table = embedding.panels.flatten(0, 1) if isinstance(embedding, PanelEmbedding) else embedding.weight.detach()
     readers = {f"stream: {name}": read for name, read in _stream_readers(table).items()}
 
     def on(setting: tuple, forward: Callable[[], object]) -> Callable[[], object]:

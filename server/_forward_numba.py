@@ -8,7 +8,20 @@ Everything the kernels call, and every constant they read, is defined here; test
 it. From the cache a process loads all three in a fraction of a second, where compiling them takes about
 twelve seconds on the 2-core EPYC of bench/results.
 
-The matrix product. y = x @ w.T for float32 x [M, K] and w [N, K], both row-major:
+The panel product (float32 on AVX-512 Xeons). The weights are packed once, at load, into
+panels of 64 output columns, [ceil(N / 64), K, 64] (server/matmul.py's PanelLinear, the
+original freed), and y = x @ w.T is a GEMM over them of the broadcast kind: a tile takes up
+to six x rows and one panel, and at each value of K loads the panel's four weight vectors
+and broadcasts each x row's value into 6 x 4 sums, with no reduction across lanes at the
+end. Each thread walks a run of panels 64 values of K at a time; the first tile reads a
+chunk (16 KB) from memory and the others from L1, and the tiles share the prefetch of the
+next chunk. Every value of y is one sum over K in order, so a row's bits are the same at
+every M, in every tile and every block of rows: no row limit, no handing over to oneDNN.
+From 19 rows the x rows are first packed tile by tile, so that a step's values lie side by
+side, and K goes in parts whose x rows fit in L2 (panel_matmul).
+
+The matrix product over plain weights (bfloat16, and float32 on Zen 4 and AVX2).
+y = x @ w.T for x [M, K] and w [N, K], both row-major:
 the layout the checkpoint already has, so no packed copy is made. Each thread takes
 blocks of four weight rows and walks x a few rows at a time, so a weight row is read
 from memory once and then from cache, by each later pass. At small M this reads the
@@ -82,7 +95,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from specedge.server._race_numba import set_threads  # noqa: F401 - the one thread setting for every kernel
 
@@ -111,8 +124,9 @@ _I8P = ir.IntType(8).as_pointer()
 # pass took 0.99x the plain loop's time at M = 1 and 0.95x at M = 2 in float32, 0.61x and 0.69x in bfloat16; and
 # the plain loops sum in LLVM's order, so there M = 1 gave each row other bits than M >= 2 (docs/engine-cpu.md).
 _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
-# Products of up to this many rows run `matmul`; larger ones, oneDNN's GEMM on the same plain weights
-# (server/matmul.py), whose blocked kernels reuse each weight over many more rows. Over a forward's worth of the
+# Plain-weight products of up to this many rows run `matmul` (and steps of as many tokens, the compiled layers);
+# larger ones, oneDNN's GEMM on the same plain weights (server/matmul.py), whose blocked kernels reuse each weight
+# over many more rows. Over a forward's worth of the
 # 1.5B's products (1.1 GB, more than the caches hold), oneDNN caught up at M = 40 on a 2-core AVX-512 Xeon (x rows
 # on cache lines: 103 ms each at 40, oneDNN 0.90x at 48) and between 40 and 64 on a 2-core AVX2 EPYC. On a 2-core
 # Zen 4 EPYC, over all of the 1.5B's products (6.2 GB) in turn with oneDNN's GEMM on the same weights, float32 took
@@ -203,6 +217,20 @@ _CHUNK_SCORES = 2048 * 1024  # and of at most this many scores (8 MB), down to o
 _SILU_CHUNK = 2048  # columns per parallel task
 _LINE = 64  # bytes in a cache line
 _STRIPES = 64  # runs of blocks the chunked passes share among the threads
+# Float32 products on AVX-512 CPUs other than Zen 4 run panel_matmul over weights packed at load as panels of PANEL
+# output columns (server/matmul.py's PanelLinear), at every M. Over all of the 1.5B's products in turn with `matmul`
+# on the plain weights, on a 2-core Xeon: M = 1-5 0.95-0.98x the time, 8 0.86-0.96x, 12-16 0.83-0.90x, 24 0.71x,
+# 40 0.72-0.75x; against oneDNN's GEMM at 120-512 rows 0.85-0.95x its time at K = 1536, 0.9-1.09x at K = 8960. Whole
+# forwards 8 x 5 0.86x, 16 x 5 0.85x, 8 x 1 0.93x, 1 x 1 and 1 x 5 0.98x, a 155-token prefill 0.99x, 512 tokens 1.02x
+# (docs/engine-cpu.md). bfloat16's products, and float32's on Zen 4 (untimed with panels, whose plain kernel was
+# tuned there) and on AVX2, run `matmul` over the plain weights.
+PANELS = _AVX512 and not _ZEN_AVX512
+PANEL = 4 * _LANES  # a panel's columns: four vectors
+_PANEL_ROWS = 6  # x rows a panel tile takes: 6 x 4 sums, four w vectors and an x value in 32 registers
+_PANEL_CHUNK = 64  # values of K a tile walks between loading and storing its sums
+_PANEL_BLOCK = 128  # x rows a walk over the weights takes
+_PANEL_PACK_FROM = 3 * _PANEL_ROWS + 1  # x rows from which a block's rows are packed for its tiles (four tiles on)
+_PANEL_X_BYTES = 1 << 20  # x values a walk over the weights takes at most: half of an AVX-512 Xeon's 2 MB L2
 
 
 def warm_up() -> None:
@@ -217,6 +245,8 @@ def warm_up() -> None:
 
 def warm_up_matmul() -> None:
     _check_products(_ONE)
+    if PANELS:
+        warm_up_panels()
 
 
 def warm_up_matmul_bfloat16() -> None:
@@ -808,6 +838,254 @@ def dot_4x1(x, m, w, o, step, out, column):
 # Attention
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The panel product (float32 on AVX-512)
+
+
+def warm_up_panels() -> None:
+    """The panel product's known answers: all-ones products of 1-13 and 19 rows (one to four tiles: prefetching
+    four, two and one lines a step; x packed from 19), over a partial last panel and K past a chunk, one of
+    _PANEL_BLOCK + 1 rows (two blocks), and one of _PANEL_BLOCK rows whose K takes two parts."""
+    short_k, long_k = _PANEL_CHUNK + 3, _PANEL_X_BYTES // (4 * _PANEL_BLOCK) + 3
+    cases = (*((rows, short_k) for rows in (*range(1, 14), 19, _PANEL_BLOCK + 1)), (_PANEL_BLOCK, long_k))
+    for rows, k in cases:
+        n = PANEL + 5
+        panels = np.zeros((2, k, PANEL), np.float32)
+        panels[0] = _ONE
+        panels[1, :, : n - PANEL] = _ONE
+        y = np.empty((rows, n), np.float32)
+        panel_matmul(np.ones((rows, k), np.float32), panels, y)
+        if not np.array_equal(y, np.full((rows, n), k, np.float32)):
+            raise RuntimeError(f"the compiled panel product is wrong: {y}")
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def panel_matmul(x, panels, y):
+    """y = x @ w.T for float32 x [M, K] and w [N, K] packed as panels [ceil(N / PANEL), K, PANEL] (server/matmul.py's
+    PanelLinear): y [M, N]. Each thread takes a run of whole panels and walks it _PANEL_CHUNK values of K at a
+    time; every tile of up to _PANEL_ROWS x rows reads the chunk, from memory the first and from L1 the rest, and
+    the tiles share the prefetch of the next chunk. Every value of y is one sum over K in order, whatever M: x rows
+    come in blocks of up to _PANEL_BLOCK, each block a walk over the weights (in parts of K where its x rows would
+    outgrow _PANEL_X_BYTES)."""
+    m_rows, k = x.shape
+    count = panels.shape[0]
+    # The last panel's sums where it runs past y's last column (N not a multiple of PANEL), kept between K parts.
+    scratch = np.empty((m_rows if y.shape[1] % PANEL else 0, PANEL), np.float32)
+    blocks = (m_rows + _PANEL_BLOCK - 1) // _PANEL_BLOCK
+    for block in range(blocks):  # as even as the rows allow: 155 rows are 78 + 77, not 128 + 27
+        first = m_rows * block // blocks
+        rows = m_rows * (block + 1) // blocks - first
+        # K in parts whose x rows fit _PANEL_X_BYTES, so that every panel reads them from L2 (one part up to K = 2048
+        # at 128 rows), each part a multiple of the chunk.
+        parts = (rows * k * 4 + _PANEL_X_BYTES - 1) // _PANEL_X_BYTES
+        part = ((k + parts - 1) // parts + _PANEL_CHUNK - 1) // _PANEL_CHUNK * _PANEL_CHUNK
+        pack = rows >= _PANEL_PACK_FROM
+        packed = np.empty((1, rows * part if pack else 0), np.float32)
+        for k0 in range(0, k, part):
+            k1 = min(k0 + part, k)
+            if pack:
+                _pack_rows(x, first, rows, k0, k1, packed)
+            for stripe in prange(_STRIPES):  # runs of panels, each thread's a few of them in a row
+                run = (count * stripe // _STRIPES, count * (stripe + 1) // _STRIPES)
+                _panel_run((x, packed, pack), (first, rows), (k0, k1), panels, (y, scratch), run)
+
+
+@njit(parallel=True, fastmath=True)
+def _pack_rows(x, m0, rows, k0, k1, packed):
+    """x rows m0 .. m0 + rows - 1, values k0 .. k1 - 1, into `packed` tile by tile as _panel_run's tiles take them:
+    a tile of r rows as [k1 - k0, r], so that each step's r values are side by side."""
+    tiles = (rows + _PANEL_ROWS - 1) // _PANEL_ROWS
+    size, larger = rows // tiles, rows % tiles
+    width = k1 - k0
+    for task in prange(tiles):
+        tile = np.int64(task)  # prange's index may be unsigned, and unsigned plus signed is a float in numba
+        top = tile * size + min(tile, larger)
+        count = size + 1 if tile < larger else size
+        for i in range(width):
+            for r in range(count):
+                packed[0, top * width + i * count + r] = x[m0 + top + r, k0 + i]
+
+
+@njit(inline="always", fastmath=True)
+def _panel_run(xs, block, span, panels, outs, run):
+    """x rows block = (m0, rows) over K span = (k0, k1) against panels run = (p0, p1), into outs = (y, scratch). A
+    panel past y's last column (N not a multiple of PANEL) sums in the scratch, and once K is done its columns
+    within y are copied."""
+    x, packed, is_packed = xs
+    y, scratch = outs
+    k, n = x.shape[1], y.shape[1]
+    m0, rows = block
+    first, last = span
+    p0, p1 = run
+    tiles = (rows + _PANEL_ROWS - 1) // _PANEL_ROWS
+    size, larger = rows // tiles, rows % tiles  # the first `larger` tiles take size + 1 rows
+    per_line = _LINE // 4
+    end_line = p1 * k * PANEL // per_line  # the run's last line, + 1: no tile prefetches past it
+    lines = 4 if tiles == 1 else 2 if tiles <= 3 else 1  # a step's prefetches: share <= lines * steps
+    for p in range(p0, p1):
+        inside = (p + 1) * PANEL <= n
+        out, column = (y, p * PANEL) if inside else (scratch, 0)
+        for k0 in range(first, last, _PANEL_CHUNK):
+            k1 = min(k0 + _PANEL_CHUNK, last)
+            steps = k1 - k0
+            # The next chunk's first line: on in this panel, else the next panel's part (panels follow each other).
+            ahead = (p * k + k1 if k1 < last else (p + 1) * k + first) * PANEL // per_line
+            share = (steps * PANEL // per_line + tiles - 1) // tiles  # each tile's part of the next chunk's lines
+            for tile in range(tiles):
+                start = min(ahead + tile * share, end_line - 1)
+                stop = max(min(ahead + (tile + 1) * share, end_line), start + 1)
+                m = m0 + tile * size + min(tile, larger)
+                count = size + (tile < larger)
+                pf = (start, stop, lines)
+                if is_packed:
+                    x_at = ((m - m0) * (last - first) - first * count, 1, count)
+                    _panel_tile(packed, x_at, m, count, panels, p, (k0, k1), out, column, pf)
+                else:
+                    _panel_tile(x, (m * k, k, 1), m, count, panels, p, (k0, k1), out, column, pf)
+        if not inside and last == k:
+            for m in range(m0, m0 + rows):
+                for j in range(n - p * PANEL):
+                    y[m, p * PANEL + j] = scratch[m, j]
+
+
+def _panel_tile_rows(rows, lines):
+    """An intrinsic tile(x, m0, panels, p, k0, k1, y, column, start, stop): y[m0 .. m0 + rows - 1,
+    column:column + PANEL] = x[m0 .., k0:k1] against panel p's K rows k0 .. k1 - 1, plus what y holds there
+    unless k0 is 0. A step takes one value of K: the panel's PANEL weights as PANEL / lanes vectors, and each x
+    row's value broadcast to a vector, into rows x PANEL / lanes sums (6 x 4 in 30 of AVX-512's 32 registers).
+    Each step also prefetches `lines` (1, 2 or 4) lines from line `start` of panels.ravel() on, up to line
+    `stop` (a count fixed as the tile compiles: counted at run time, the branches took M = 40 from 0.73x the
+    plain tiles' time to 0.87x)."""
+
+    @intrinsic
+    def tile(typingctx, x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step):
+        if any(a.layout != "C" or a.dtype != types.float32 for a in (x, panels, y)) or panels.ndim != 3:
+            return None
+
+        def codegen(context, builder, signature, args):
+            _panel_tile_ir(context, builder, signature, args, (rows, lines))
+            return context.get_dummy_value()
+
+        return types.none(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step), codegen
+
+    return tile
+
+
+def _panel_tile_ir(context, builder, signature, args, shape):
+    """The IR of a panel tile at the builder; shape = (rows, lines), as _panel_tile_rows takes them."""
+    rows, lines = shape
+    xs, ps, ys = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 6))
+    m0, p, k0, k1, column, start, stop, x_first, x_row, x_step = (args[i] for i in (1, 3, 4, 5, 7, 8, 9, 10, 11, 12))
+    k, n = builder.extract_value(ps.shape, 1), builder.extract_value(ys.shape, 1)
+    vectors = PANEL // _LANES
+    fma, prefetch = _fmuladd(builder), _llvm_prefetch(builder)
+    x_rows = [builder.gep(xs.data, [builder.add(x_first, builder.mul(x_row, _I64(r)))]) for r in range(rows)]
+    panel = builder.gep(ps.data, [builder.mul(p, builder.mul(k, _I64(PANEL)))])
+    outs = []
+    for r in range(rows):
+        row = builder.gep(ys.data, [builder.add(builder.mul(builder.add(m0, _I64(r)), n), column)])
+        outs += [builder.bitcast(builder.gep(row, [_I64(j * _LANES)]), _V.as_pointer()) for j in range(vectors)]
+    zero = ir.Constant(_V, [0.0] * _LANES)
+    load_block, zero_block, head, body, done = (
+        builder.append_basic_block(name) for name in ("load", "zero", "head", "body", "done")
+    )
+    builder.cbranch(builder.icmp_signed("==", k0, _I64(0)), zero_block, load_block)
+    builder.position_at_end(load_block)
+    kept = [builder.load(pointer, align=4) for pointer in outs]
+    builder.branch(head)
+    builder.position_at_end(zero_block)
+    builder.branch(head)
+
+    builder.position_at_end(head)
+    step = builder.phi(_I64)
+    sums = [builder.phi(_V) for _ in outs]  # x row 0's PANEL sums, then row 1's, ...
+    builder.cbranch(builder.icmp_signed("<", step, k1), body, done)
+    builder.position_at_end(body)
+    weights = builder.gep(panel, [builder.mul(step, _I64(PANEL))])
+    w = [
+        builder.load(builder.bitcast(builder.gep(weights, [_I64(j * _LANES)]), _V.as_pointer()), align=4)
+        for j in range(vectors)
+    ]
+    new = []
+    undefined, lanes = ir.Constant(_V, ir.Undefined), ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+    for r in range(rows):
+        value = builder.load(builder.gep(x_rows[r], [builder.mul(step, x_step)]))
+        broadcast = builder.shuffle_vector(builder.insert_element(undefined, value, _I32(0)), undefined, lanes)
+        new += [builder.call(fma, [broadcast, w[j], sums[r * vectors + j]]) for j in range(vectors)]
+    slot = builder.mul(builder.sub(step, k0), _I64(lines))
+    for i in range(lines):
+        line = builder.add(start, builder.add(slot, _I64(i)))
+        line = builder.select(builder.icmp_signed("<", line, stop), line, builder.sub(stop, _I64(1)))
+        address = builder.bitcast(builder.gep(ps.data, [builder.mul(line, _I64(_LINE // 4))]), _I8P)
+        builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
+    next_step = builder.add(step, _I64(1))
+    builder.branch(head)
+    for block, values in ((load_block, kept), (zero_block, [zero] * len(outs))):
+        step.add_incoming(k0, block)
+        for total, value in zip(sums, values):
+            total.add_incoming(value, block)
+    step.add_incoming(next_step, body)
+    for total, updated in zip(sums, new):
+        total.add_incoming(updated, body)
+
+    builder.position_at_end(done)
+    for total, pointer in zip(sums, outs):
+        builder.store(total, pointer, align=4)
+
+
+_panel_1, _panel_2, _panel_3, _panel_4, _panel_5, _panel_6 = (_panel_tile_rows(r, 4) for r in range(1, 7))
+_panel_1h, _panel_2h, _panel_3h, _panel_4h, _panel_5h, _panel_6h = (_panel_tile_rows(r, 2) for r in range(1, 7))
+_panel_1q, _panel_2q, _panel_3q, _panel_4q, _panel_5q, _panel_6q = (_panel_tile_rows(r, 1) for r in range(1, 7))
+
+
+@njit(inline="always", fastmath=True)
+def _panel_tile(x, x_at, m0, rows, panels, p, span, y, column, prefetching):
+    """The tile for `rows` (1 .. _PANEL_ROWS) x rows from m0, over K span = (k0, k1); prefetching = (start, stop,
+    lines): a lone tile prefetches four lines a step (the next chunk's every line), two or three tiles two, more
+    tiles one."""
+    k0, k1 = span
+    start, stop, lines = prefetching
+    x_first, x_row, x_step = x_at
+    if lines == 4:
+        if rows == 1:
+            _panel_1(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 2:
+            _panel_2(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 3:
+            _panel_3(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 4:
+            _panel_4(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 5:
+            _panel_5(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        else:
+            _panel_6(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif lines == 2:
+        if rows == 1:
+            _panel_1h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 2:
+            _panel_2h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 3:
+            _panel_3h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 4:
+            _panel_4h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 5:
+            _panel_5h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        else:
+            _panel_6h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif rows == 1:
+        _panel_1q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif rows == 2:
+        _panel_2q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif rows == 3:
+        _panel_3q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif rows == 4:
+        _panel_4q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif rows == 5:
+        _panel_5q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    else:
+        _panel_6q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+
+
 def warm_up_attention() -> None:
     _check_attention(lambda cache: cache)
 
@@ -1114,9 +1392,16 @@ def _prefetch_row(typingctx, rows, row):
 
 
 def warm_up_layer() -> None:
+    """The layer over zero weights in the layout this CPU's float32 projections take (panels where PANELS)."""
     num, hidden, heads, head_dim, inner = 2, 8, 2, 4, 6
     x = np.arange(num * hidden, dtype=np.float32).reshape(num, hidden)
     zeros = np.zeros  # with zero weights the layer adds nothing, and each value is its bias
+
+    def weights(out_features, in_features):
+        if PANELS:
+            return zeros(((out_features + PANEL - 1) // PANEL, in_features, PANEL), np.float32)
+        return zeros((out_features, in_features), np.float32)
+
     caches = zeros((1, 4, 1, head_dim), np.float32), zeros((1, 4, 1, head_dim), np.float32)
     positions = np.arange(num, dtype=np.int64)
     rows = np.zeros(1, np.int64), np.full(1, num, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
@@ -1125,14 +1410,14 @@ def warm_up_layer() -> None:
         x,
         np.float32(1e-6),
         np.ones(hidden, np.float32),
-        zeros(((heads + 2) * head_dim, hidden), np.float32),
+        weights((heads + 2) * head_dim, hidden),
         np.ones((heads + 2) * head_dim, np.float32),
         zeros(0, np.float32),
         zeros(0, np.float32),
-        zeros((hidden, heads * head_dim), np.float32),
+        weights(hidden, heads * head_dim),
         np.ones(hidden, np.float32),
-        zeros((2 * inner, hidden), np.float32),
-        zeros((hidden, inner), np.float32),
+        weights(2 * inner, hidden),
+        weights(hidden, inner),
         np.ones((num, head_dim), np.float32),
         zeros((num, head_dim), np.float32),
         *caches,
@@ -1223,6 +1508,19 @@ def _lined_rows(num, width):
     return flat[skip : skip + num * width].reshape((num, width))
 
 
+def _product(x, w, y):
+    """y = x @ w.T in the decoder layer: panel_matmul for panels [P, K, PANEL], matmul for plain rows [N, K]
+    (numba picks one by w's type as it compiles the layer)."""
+    raise NotImplementedError("compiled code only")
+
+
+@overload(_product)
+def _product_by_layout(x, w, y):
+    if w.ndim == 3:
+        return lambda x, w, y: panel_matmul(x, w, y)
+    return lambda x, w, y: matmul(x, w, y)
+
+
 @njit(fastmath=_FAST)
 def _add(x, y):
     for t in range(x.shape[0]):
@@ -1260,7 +1558,8 @@ def decoder_layer(
 ):
     """One layer over x [N, hidden] in place (x += attention(norm(x)); x += mlp(norm(x))).
 
-    Weights as server/matmul.py's PlainLinear holds them ([out, in], q/k/v and gate/up fused); qkv_bias,
+    Weights as server/matmul.py's PanelLinear holds them ([panels, in, PANEL]) or PlainLinear ([out, in]), all
+    four the same, q/k/v and gate/up fused; qkv_bias,
     q_norm and k_norm may be empty (none). cos, sin [N, D]; the caches and the rows' arrays as
     attend takes them, every row of the step among them.
     """
@@ -1268,8 +1567,8 @@ def decoder_layer(
     head_dim = k_cache.shape[3]
     normed = _lined_rows(num, hidden)
     _rms_norm_rows(x, input_norm, eps, normed)
-    qkv = np.empty((num, qkv_weight.shape[0]), np.float32)
-    matmul(normed, qkv_weight, qkv)
+    qkv = np.empty((num, (num_heads + 2 * k_cache.shape[2]) * head_dim), np.float32)
+    _product(normed, qkv_weight, qkv)
     if qkv_bias.shape[0]:
         for t in range(num):
             for j in range(qkv.shape[1]):
@@ -1279,12 +1578,12 @@ def decoder_layer(
     attended = _lined_rows(num, num_heads * head_dim).reshape((num, num_heads, head_dim))
     attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, task_heads, attended)
     projected = np.empty_like(x)
-    matmul(attended.reshape((num, num_heads * head_dim)), o_weight, projected)
+    _product(attended.reshape((num, num_heads * head_dim)), o_weight, projected)
     _add(x, projected)
     _rms_norm_rows(x, post_norm, eps, normed)
-    gate_up = np.empty((num, gate_up_weight.shape[0]), np.float32)
-    matmul(normed, gate_up_weight, gate_up)
+    gate_up = np.empty((num, 2 * down_weight.shape[1]), np.float32)
+    _product(normed, gate_up_weight, gate_up)
     activated = _lined_rows(num, down_weight.shape[1])
     _silu_mul(gate_up, activated)
-    matmul(activated, down_weight, projected)
+    _product(activated, down_weight, projected)
     _add(x, projected)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from specedge.server.kernels import load_kernel
-from specedge.server.matmul import PlainLinear, numba_max_rows
+from specedge.server.matmul import PanelLinear, PlainLinear, numba_max_rows
 
 if TYPE_CHECKING:
     from specedge.server.model import CausalLM, StepBatch
@@ -57,30 +57,31 @@ class CompiledLayers:
         self.layers = []
         for layer in model.model.decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, o, gate_up, down = map(_plain, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            qkv, o, gate_up, down = map(_numba, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
             self.layers.append(
                 (
                     _array(layer.input_layernorm.weight),
-                    qkv.weight.numpy(),
+                    _weights(qkv),
                     _NONE if qkv.bias is None else qkv.bias.numpy(),
                     _NONE if attn.q_norm is None else _array(attn.q_norm.weight),
                     _NONE if attn.k_norm is None else _array(attn.k_norm.weight),
-                    o.weight.numpy(),
+                    _weights(o),
                     _array(layer.post_attention_layernorm.weight),
-                    gate_up.weight.numpy(),
-                    down.weight.numpy(),
+                    _weights(gate_up),
+                    _weights(down),
                 )
             )
 
     @staticmethod
     def fits(num_tokens: int) -> bool:
-        """Whether a step of this many tokens is few enough for the product kernel: one the layers take if its rows
-        all take the attention kernel (the runner lays such a step's rows out for it)."""
+        """Whether a step of this many tokens is few enough for the compiled layers (numba_max_rows(): where the
+        plain products give way to oneDNN's GEMM; panels take any size, but larger steps are untimed compiled): one
+        the layers take if its rows all take the attention kernel (the runner lays such a step's rows out for it)."""
         return num_tokens <= numba_max_rows()
 
     @staticmethod
     def takes(batch: StepBatch) -> bool:
-        """Whether this step runs compiled: few enough tokens for the product kernel, every row in the
+        """Whether this step runs compiled: few enough tokens for the compiled layers, every row in the
         attention kernel."""
         compiled = batch.compiled
         return compiled is not None and not compiled.others and CompiledLayers.fits(batch.token_ids.shape[0])
@@ -134,7 +135,14 @@ def _array(weight: torch.Tensor) -> np.ndarray:
     return weight.detach().numpy()  # the same memory
 
 
-def _plain(projection: torch.nn.Module | None) -> PlainLinear:
-    if not isinstance(projection, PlainLinear):
-        raise TypeError("the compiled layer takes the numba path's fused PlainLinear projections")
-    return projection
+def _numba(projection: torch.nn.Module | None) -> PanelLinear | PlainLinear:
+    if isinstance(projection, PanelLinear) or (
+        isinstance(projection, PlainLinear) and projection.weight.dtype == torch.float32
+    ):
+        return projection
+    raise TypeError("the compiled layer takes the numba path's fused float32 projections")
+
+
+def _weights(projection: PanelLinear | PlainLinear) -> np.ndarray:
+    """A projection's weights as the compiled layer takes them: PanelLinear's panels or PlainLinear's rows."""
+    return (projection.panels if isinstance(projection, PanelLinear) else projection.weight).numpy()

@@ -136,8 +136,8 @@ def _from_hf(hf_model) -> CausalLM:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
     if args.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = inv_freq.to(model.model.embed_tokens.weight.device)
+        model.lm_head.weight = model.model.table()
+    model.inv_freq = inv_freq.to(model.model.table().device)
     return model
 
 

@@ -2,8 +2,16 @@
 
 - `eager`: the model's own `nn.Linear` layers (MKL on CPU, cuBLAS on CUDA). The
   plain path, kept for comparison and wherever nothing faster applies.
-- `numba` (CPU, float32; bfloat16 when asked): the weights stay row-major, as
-  loaded, in one copy (a tied LM head reads the embedding table itself). A
+- `numba` (CPU, float32; bfloat16 when asked). On AVX-512 CPUs other than Zen 4,
+  float32 weights are packed once, at load, into panels of 64 output columns
+  (PanelLinear; the originals freed, a tied embedding reading the LM head's
+  panels: PanelEmbedding), and every product, whatever its rows, runs the
+  kernel's panel GEMM (server/_forward_numba.py's panel_matmul): over the 1.5B's
+  products on a 2-core Xeon, in turn with the plain weights below, M = 8 0.86-0.96x
+  the time, M = 24-40 0.71-0.75x; whole 8 x 5 forwards 0.86x, a 512-token prefill
+  1.02x (its K = 8960 product runs at 0.9-0.95x oneDNN's rate). Elsewhere, and in
+  bfloat16, the weights stay row-major, as loaded, in one copy (a tied LM head
+  reads the embedding table itself). A
   product of up to `numba_max_rows()` rows (48 on AVX2, 56 on AVX-512, 40 in
   bfloat16; on Zen 4 120, and 64 in bfloat16), every decode step's and most
   verify steps', runs a numba kernel that streams the weights at memory speed
@@ -93,6 +101,68 @@ def layout_rows(dtype: torch.dtype) -> int:
     return 16 if dtype == torch.bfloat16 or torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 1
 
 
+class PanelLinear(nn.Module):
+    """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32 on AVX-512 CPUs):
+    the numba kernel's panel product, for any number of rows. Each value of y is one sum over K in order, so a
+    row's bits do not depend on the rows beside it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        compiled = numba_kernel()
+        assert compiled is not None and compiled.PANELS, "PanelLinear is built only where panels compiled"
+        self.out_features, self.in_features = weight.shape
+        # Plain attributes, not parameters: the model's state dict keeps its own names for these weights.
+        self.panels = pack_panels(weight.detach(), int(compiled.PANEL))  # [panels, in, PANEL]
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self._panels = self.panels.numpy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).contiguous()
+        compiled = numba_kernel()
+        assert compiled is not None, "PanelLinear is built only where the kernel compiled"
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        compiled.set_threads(torch.get_num_threads())
+        compiled.panel_matmul(x.numpy(), self._panels, y.numpy())
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """A float32 weight [out, in] as [ceil(out / panel), in, panel]: panel p holds output columns p * panel ..
+    (p + 1) * panel - 1, its `in` rows of `panel` weights each contiguous, the last panel's missing columns zero.
+    One new tensor: the original is freed with its module."""
+    out_features, in_features = weight.shape
+    full, rest = divmod(out_features, panel)
+    panels = torch.empty(full + (rest > 0), in_features, panel, dtype=torch.float32)
+    panels[:full] = weight[: full * panel].view(full, panel, in_features).transpose(1, 2)
+    if rest:
+        panels[full].zero_()
+        panels[full, :, :rest] = weight[full * panel :].T
+    return panels
+
+
+class PanelEmbedding(nn.Module):
+    """A tied embedding read from its LM head's panels: a token's row is column token % PANEL of panel
+    token // PANEL, the same values, so the tied table is held once."""
+
+    def __init__(self, head: PanelLinear):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.panels = head.panels  # the same memory
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., dim]
+        panel = self.panels.shape[2]
+        return self.panels[token_ids // panel, :, token_ids % panel]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, read from the LM head's panels"
+
+
 class PlainLinear(nn.Module):
     """y = x @ W.T + b with W as loaded (row-major float32, or bfloat16, on a CPU): the numba kernel for up to
     numba_max_rows() rows, oneDNN's GEMM on the same weight for more. bfloat16 products sum in float32 and
@@ -133,7 +203,8 @@ def numba_kernel() -> ModuleType | None:
 
 
 def numba_max_rows(dtype: torch.dtype = torch.float32) -> int:
-    """Products of up to this many rows run the numba kernel, larger ones oneDNN's GEMM (0: no kernel here)."""
+    """PlainLinear's products of up to this many rows run the numba kernel, larger ones oneDNN's GEMM (0: no kernel
+    here). PanelLinear's run the kernel at any size."""
     compiled = numba_kernel()
     if compiled is None:
         return 0
@@ -226,9 +297,22 @@ def pack_for_onednn(model: CausalLM) -> None:
 
 @torch.no_grad()
 def plain_for_numba(model: CausalLM) -> None:
-    """Replace every projection of a CausalLM (server/model.py) by its fused, plain form, in place."""
+    """Replace every projection of a CausalLM (server/model.py) by its fused form for the numba kernel, in place:
+    float32 on AVX-512 packed into panels (PanelLinear; a tied embedding then reads the head's panels), else
+    plain (PlainLinear)."""
     _own_memory(model)  # first: the plain forms keep these tensors (a tied head, the embedding's), not copies
-    _replace_projections(model, PlainLinear)
+    table = model.model.table()
+    tied = model.lm_head.weight is table
+    _replace_projections(model, numba_projection(table.dtype))
+    if tied and isinstance(model.lm_head, PanelLinear):
+        model.model.embed_tokens = PanelEmbedding(model.lm_head)
+
+
+def numba_projection(dtype: torch.dtype) -> Projection:
+    """The numba path's projection for weights of this dtype: PanelLinear for float32 where the kernel has panels
+    (AVX-512), else PlainLinear."""
+    compiled = numba_kernel()
+    return PanelLinear if dtype == torch.float32 and compiled is not None and compiled.PANELS else PlainLinear
 
 
 Projection = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]

@@ -27,6 +27,7 @@ from specedge.server.attention import CompiledRows, FlexLayout, flex_attention, 
 
 if TYPE_CHECKING:
     from specedge.server.layer_kernel import CompiledLayers
+    from specedge.server.matmul import PanelEmbedding
 
 # RoPE variants whose frequencies do not depend on the sequence length; the
 # dynamic ones would make a token's result depend on its batch.
@@ -265,12 +266,19 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs, part: Partition):
         super().__init__()
-        self.embed_tokens = nn.Embedding(part.num_vocab_rows, args.hidden_size)
+        # Or, on the numba path with a tied head on panels, server/matmul.py's PanelEmbedding.
+        self.embed_tokens: nn.Embedding | PanelEmbedding = nn.Embedding(part.num_vocab_rows, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, part) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def decoder_layers(self) -> Iterable[DecoderLayer]:
         return cast("Iterable[DecoderLayer]", self.layers)  # nn.ModuleList is typed as holding any Module
+
+    def table(self) -> torch.Tensor:
+        """The embedding's table, as loaded (before the numba path may move a tied one onto its head's panels)."""
+        if not isinstance(self.embed_tokens, nn.Embedding):
+            raise TypeError("the embedding reads its LM head's panels: it has no table of its own")
+        return self.embed_tokens.weight
 
 
 class CausalLM(nn.Module):
@@ -298,7 +306,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(args, self.partition)
         self.lm_head: nn.Module = nn.Linear(args.hidden_size, self.partition.num_vocab_rows, bias=False)  # or packed
         if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.model.table()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = rope_scaling
         # Set on the numba path (server/layer_kernel.py), never on a tensor-parallel rank: the steps it takes run

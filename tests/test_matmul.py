@@ -11,7 +11,15 @@ import torch
 from specedge.registry import ResolvedModel
 from specedge.server import matmul
 from specedge.server.loading import load_target
-from specedge.server.matmul import PackedLinear, PlainLinear, layout_rows, numba_max_rows, resolve_matmul
+from specedge.server.matmul import (
+    PackedLinear,
+    PanelEmbedding,
+    PanelLinear,
+    PlainLinear,
+    layout_rows,
+    numba_max_rows,
+    resolve_matmul,
+)
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 
 CPU = torch.device("cpu")
@@ -60,6 +68,60 @@ def test_a_rows_products_do_not_depend_on_how_many_rows_share_them(in_features, 
         for rows in range(first, limit + 1):
             seen = min(rows, len(alone))
             assert torch.equal(plain(x[:rows])[:seen], alone[:seen]), rows
+
+
+def _panels():
+    """The kernel module where its float32 products run on panels (AVX-512), else skip."""
+    kernel = matmul.numba_kernel()
+    if kernel is None or not kernel.PANELS:
+        pytest.skip("panels are the AVX-512 kernel's float32 layout")
+    return kernel
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("out_features", [5, 64, 130, 774])  # within one panel, one exactly, partial last panels
+@pytest.mark.parametrize("in_features", [1, 67, 2100])  # K within a chunk, past one, in two parts at 128 rows
+def test_panel_linear_equals_the_linear_it_replaces(in_features, out_features, bias):
+    kernel = _panels()
+    torch.manual_seed(out_features + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    panel = PanelLinear(linear.weight, linear.bias)
+    assert panel.panels.shape == (-(-out_features // kernel.PANEL), in_features, kernel.PANEL)
+    # One tile (1-6 rows), two or three (7-18), more (x packed), a block of 128 and past it (two walks over the
+    # weights).
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 18, 19, 40, 56, 128, 129, 300):
+        x = torch.randn(rows, in_features)
+        with torch.inference_mode():
+            torch.testing.assert_close(panel(x), linear(x), atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        x = torch.randn(2, 5, in_features)
+        torch.testing.assert_close(panel(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("out_features", [130, 774])
+@pytest.mark.parametrize("in_features", [67, 2100])
+def test_a_rows_panel_products_do_not_depend_on_how_many_rows_share_them(in_features, out_features):
+    """Each value is one sum over K in order, so every row's products have the same bits at every row count: in
+    any tile, with any number of tiles, x packed or not, K in one part or two, in any of several walks over the
+    weights."""
+    _panels()
+    torch.manual_seed(in_features + out_features)
+    panel = PanelLinear(torch.randn(out_features, in_features), None)
+    x = torch.randn(300, in_features)
+    with torch.inference_mode():
+        alone = torch.cat([panel(x[m : m + 1]) for m in range(len(x))])
+        for rows in (*range(2, 57), 127, 128, 129, 135, 300):
+            assert torch.equal(panel(x[:rows]), alone[:rows]), rows
+            assert torch.equal(panel(x[len(x) - rows :]), alone[len(x) - rows :]), rows
+
+
+def test_a_tied_embedding_reads_the_heads_panels():
+    _panels()
+    torch.manual_seed(0)
+    table = torch.randn(130, 24)
+    embedding = PanelEmbedding(PanelLinear(table, None))
+    token_ids = torch.tensor([[0, 63, 64, 129], [5, 5, 128, 1]])
+    assert torch.equal(embedding(token_ids), torch.nn.functional.embedding(token_ids, table))
 
 
 @pytest.mark.parametrize("out_features", [7, 130])  # partial blocks of 4 and of 3 rows
@@ -118,18 +180,31 @@ def test_the_compiled_layers_x_rows_start_on_cache_lines():
 
 
 def test_numba_path_keeps_one_copy_of_the_weights(tiny_llama3_dir):
-    """Fused q/k/v and gate/up replace the separate weights, and a tied LM head reads the embedding itself."""
+    """Fused q/k/v and gate/up replace the separate weights; a tied embedding and LM head share one table: on
+    AVX-512 the head's panels, which the embedding reads, elsewhere the embedding's rows, which the head reads."""
+    eager = load_target(ResolvedModel("tiny", "hf", tiny_llama3_dir), device=CPU, dtype=torch.float32).model
     target = load_target(ResolvedModel("tiny", "hf", tiny_llama3_dir), device=CPU, dtype=torch.float32, matmul="numba")
     model = target.model
     assert target.matmul == "numba"
-    head = model.lm_head
-    assert isinstance(head, PlainLinear)
-    assert head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # the fixture ties them
+    kind = PanelLinear if matmul.numba_kernel().PANELS else PlainLinear
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert isinstance(head, kind)
+    if kind is PanelLinear:  # the fixture ties them
+        assert isinstance(embedding, PanelEmbedding) and embedding.panels.data_ptr() == head.panels.data_ptr()
+        assert (
+            sum(p.numel() for p in model.parameters())
+            == sum(p.numel() for name, p in eager.named_parameters() if "layers." in name and "norm" in name)
+            + model.model.norm.weight.numel()
+        )  # every projection and the table left the parameters for panels
+    else:
+        assert head.weight.data_ptr() == embedding.weight.data_ptr()
+    token_ids = torch.arange(eager.args.vocab_size)
+    assert torch.equal(embedding(token_ids), eager.model.embed_tokens(token_ids))
     for layer in model.model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         assert attn.q_proj is None and attn.k_proj is None and attn.v_proj is None
         assert mlp.gate_proj is None and mlp.up_proj is None
-        assert all(isinstance(m, PlainLinear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        assert all(isinstance(m, kind) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
 
 def test_auto_chooses_by_device_and_dtype_and_names_what_cannot_run():
