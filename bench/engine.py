@@ -298,7 +298,7 @@ def _products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.
     if onednn_unavailable(torch.device("cpu"), weight.dtype) is None:
         paths["onednn"] = PackedLinear(weight, None)
     if numba_unavailable(torch.device("cpu"), weight.dtype) is None:
-        # Panels (float32 on AVX-512) at every M; plain weights past numba_max_rows() run oneDNN's GEMM on them.
+        # Panels (float32 on AVX-512 but Zen 4) at every M; plain weights past numba_max_rows() run oneDNN's GEMM.
         paths["numba"] = numba_projection(weight.dtype)(weight, None)
     return paths
 

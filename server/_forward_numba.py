@@ -8,7 +8,7 @@ Everything the kernels call, and every constant they read, is defined here; test
 it. From the cache a process loads all three in a fraction of a second, where compiling them takes about
 twelve seconds on the 2-core EPYC of bench/results.
 
-The panel product (float32 on AVX-512 Xeons). The weights are packed once, at load, into
+The panel product (float32 on AVX-512 CPUs other than Zen 4). The weights are packed once, at load, into
 panels of 64 output columns, [ceil(N / 64), K, 64] (server/matmul.py's PanelLinear, the
 original freed), and y = x @ w.T is a GEMM over them of the broadcast kind: a tile takes up
 to six x rows and one panel, and at each value of K loads the panel's four weight vectors
@@ -220,7 +220,7 @@ _STRIPES = 64  # runs of blocks the chunked passes share among the threads
 # Float32 products on AVX-512 CPUs other than Zen 4 run panel_matmul over weights packed at load as panels of PANEL
 # output columns (server/matmul.py's PanelLinear), at every M. Over all of the 1.5B's products in turn with `matmul`
 # on the plain weights, on a 2-core Xeon: M = 1-5 0.95-0.98x the time, 8 0.86-0.96x, 12-16 0.83-0.90x, 24 0.71x,
-# 40 0.72-0.75x; against oneDNN's GEMM at 120-512 rows 0.85-0.95x its time at K = 1536, 0.9-1.09x at K = 8960. Whole
+# 40 0.72-0.75x; against oneDNN's GEMM at 120-512 rows 0.85-1.00x its time at K = 1536, 0.94-1.09x at K = 8960. Whole
 # forwards 8 x 5 0.86x, 16 x 5 0.85x, 8 x 1 0.93x, 1 x 1 and 1 x 5 0.98x, a 155-token prefill 0.99x, 512 tokens 1.02x
 # (docs/engine-cpu.md). bfloat16's products, and float32's on Zen 4 (untimed with panels, whose plain kernel was
 # tuned there) and on AVX2, run `matmul` over the plain weights.
@@ -839,7 +839,7 @@ def dot_4x1(x, m, w, o, step, out, column):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The panel product (float32 on AVX-512)
+# The panel product (float32 on AVX-512 CPUs other than Zen 4: PANELS)
 
 
 def warm_up_panels() -> None:
@@ -862,7 +862,7 @@ def warm_up_panels() -> None:
 @njit(parallel=True, fastmath=True, cache=True)
 def panel_matmul(x, panels, y):
     """y = x @ w.T for float32 x [M, K] and w [N, K] packed as panels [ceil(N / PANEL), K, PANEL] (server/matmul.py's
-    PanelLinear): y [M, N]. Each thread takes a run of whole panels and walks it _PANEL_CHUNK values of K at a
+    PanelLinear): y [M, N]. Each thread takes runs of whole panels and walks each _PANEL_CHUNK values of K at a
     time; every tile of up to _PANEL_ROWS x rows reads the chunk, from memory the first and from L1 the rest, and
     the tiles share the prefetch of the next chunk. Every value of y is one sum over K in order, whatever M: x rows
     come in blocks of up to _PANEL_BLOCK, each block a walk over the weights (in parts of K where its x rows would
@@ -890,7 +890,7 @@ def panel_matmul(x, panels, y):
                 _panel_run((x, packed, pack), (first, rows), (k0, k1), panels, (y, scratch), run)
 
 
-@njit(parallel=True, fastmath=True)
+@njit(parallel=True, fastmath=True, cache=True)
 def _pack_rows(x, m0, rows, k0, k1, packed):
     """x rows m0 .. m0 + rows - 1, values k0 .. k1 - 1, into `packed` tile by tile as _panel_run's tiles take them:
     a tile of r rows as [k1 - k0, r], so that each step's r values are side by side."""
@@ -908,9 +908,10 @@ def _pack_rows(x, m0, rows, k0, k1, packed):
 
 @njit(inline="always", fastmath=True)
 def _panel_run(xs, block, span, panels, outs, run):
-    """x rows block = (m0, rows) over K span = (k0, k1) against panels run = (p0, p1), into outs = (y, scratch). A
-    panel past y's last column (N not a multiple of PANEL) sums in the scratch, and once K is done its columns
-    within y are copied."""
+    """x rows block = (m0, rows) over K span = (k0, k1) against panels run = (p0, p1), into outs = (y, scratch); xs =
+    (x, packed, is_packed), the tiles reading `packed` (_pack_rows's layout) where is_packed, else x. A panel past
+    y's last column (N not a multiple of PANEL) sums in the scratch, and once K is done its columns within y are
+    copied."""
     x, packed, is_packed = xs
     y, scratch = outs
     k, n = x.shape[1], y.shape[1]

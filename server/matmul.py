@@ -102,7 +102,8 @@ def layout_rows(dtype: torch.dtype) -> int:
 
 
 class PanelLinear(nn.Module):
-    """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32 on AVX-512 CPUs):
+    """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32 on AVX-512 CPUs
+    other than Zen 4):
     the numba kernel's panel product, for any number of rows. Each value of y is one sum over K in order, so a
     row's bits do not depend on the rows beside it."""
 
@@ -298,8 +299,8 @@ def pack_for_onednn(model: CausalLM) -> None:
 @torch.no_grad()
 def plain_for_numba(model: CausalLM) -> None:
     """Replace every projection of a CausalLM (server/model.py) by its fused form for the numba kernel, in place:
-    float32 on AVX-512 packed into panels (PanelLinear; a tied embedding then reads the head's panels), else
-    plain (PlainLinear)."""
+    float32 on AVX-512 CPUs other than Zen 4 packed into panels (PanelLinear; a tied embedding then reads the head's
+    panels), else plain (PlainLinear)."""
     _own_memory(model)  # first: the plain forms keep these tensors (a tied head, the embedding's), not copies
     table = model.model.table()
     tied = model.lm_head.weight is table
@@ -310,7 +311,7 @@ def plain_for_numba(model: CausalLM) -> None:
 
 def numba_projection(dtype: torch.dtype) -> Projection:
     """The numba path's projection for weights of this dtype: PanelLinear for float32 where the kernel has panels
-    (AVX-512), else PlainLinear."""
+    (AVX-512 CPUs other than Zen 4: its PANELS), else PlainLinear."""
     compiled = numba_kernel()
     return PanelLinear if dtype == torch.float32 and compiled is not None and compiled.PANELS else PlainLinear
 
