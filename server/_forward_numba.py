@@ -890,17 +890,23 @@ def panel_matmul(x, panels, y):
                 _panel_run((x, packed, pack), (first, rows), (k0, k1), panels, (y, scratch), run)
 
 
+@njit(inline="always")
+def _tile_rows(rows, tiles, tile):
+    """The first of a block's `rows` x rows that tile `tile` of `tiles` takes (from the block's first) and how many:
+    as even as the rows allow, the first rows % tiles tiles one more."""
+    size, larger = rows // tiles, rows % tiles
+    return tile * size + min(tile, larger), size + (1 if tile < larger else 0)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _pack_rows(x, m0, rows, k0, k1, packed):
     """x rows m0 .. m0 + rows - 1, values k0 .. k1 - 1, into `packed` tile by tile as _panel_run's tiles take them:
     a tile of r rows as [k1 - k0, r], so that each step's r values are side by side."""
     tiles = (rows + _PANEL_ROWS - 1) // _PANEL_ROWS
-    size, larger = rows // tiles, rows % tiles
     width = k1 - k0
     for task in prange(tiles):
-        tile = np.int64(task)  # prange's index may be unsigned, and unsigned plus signed is a float in numba
-        top = tile * size + min(tile, larger)
-        count = size + 1 if tile < larger else size
+        # prange's index may be unsigned, and unsigned plus signed is a float in numba.
+        top, count = _tile_rows(rows, tiles, np.int64(task))
         for i in range(width):
             for r in range(count):
                 packed[0, top * width + i * count + r] = x[m0 + top + r, k0 + i]
@@ -919,7 +925,6 @@ def _panel_run(xs, block, span, panels, outs, run):
     first, last = span
     p0, p1 = run
     tiles = (rows + _PANEL_ROWS - 1) // _PANEL_ROWS
-    size, larger = rows // tiles, rows % tiles  # the first `larger` tiles take size + 1 rows
     per_line = _LINE // 4
     end_line = p1 * k * PANEL // per_line  # the run's last line, + 1: no tile prefetches past it
     lines = 4 if tiles == 1 else 2 if tiles <= 3 else 1  # a step's prefetches: share <= lines * steps
@@ -935,14 +940,14 @@ def _panel_run(xs, block, span, panels, outs, run):
             for tile in range(tiles):
                 start = min(ahead + tile * share, end_line - 1)
                 stop = max(min(ahead + (tile + 1) * share, end_line), start + 1)
-                m = m0 + tile * size + min(tile, larger)
-                count = size + (tile < larger)
+                top, count = _tile_rows(rows, tiles, tile)
                 pf = (start, stop, lines)
-                if is_packed:
-                    x_at = ((m - m0) * (last - first) - first * count, 1, count)
-                    _panel_tile(packed, x_at, m, count, panels, p, (k0, k1), out, column, pf)
+                # Two calls, not one on a chosen array: choosing took M = 40-155 1.03-1.05x the time.
+                if is_packed:  # value (r, step) at top * width + (step - first) * count + r
+                    x_at = (top * (last - first) - first * count, 1, count)
+                    _panel_tile(packed, x_at, m0 + top, count, panels, p, (k0, k1), out, column, pf)
                 else:
-                    _panel_tile(x, (m * k, k, 1), m, count, panels, p, (k0, k1), out, column, pf)
+                    _panel_tile(x, ((m0 + top) * k, k, 1), m0 + top, count, panels, p, (k0, k1), out, column, pf)
         if not inside and last == k:
             for m in range(m0, m0 + rows):
                 for j in range(n - p * PANEL):
@@ -1034,16 +1039,18 @@ def _panel_tile_ir(context, builder, signature, args, shape):
         builder.store(total, pointer, align=4)
 
 
+# The tiles a walk takes: a lone tile (1-6 rows) prefetches four lines a step; two or three tiles (7-18 rows, so 3-6
+# a tile) two each; four tiles or more (19 rows on: rows > 6 (tiles - 1) leaves at least 4 to each) one each.
 _panel_1, _panel_2, _panel_3, _panel_4, _panel_5, _panel_6 = (_panel_tile_rows(r, 4) for r in range(1, 7))
-_panel_1h, _panel_2h, _panel_3h, _panel_4h, _panel_5h, _panel_6h = (_panel_tile_rows(r, 2) for r in range(1, 7))
-_panel_1q, _panel_2q, _panel_3q, _panel_4q, _panel_5q, _panel_6q = (_panel_tile_rows(r, 1) for r in range(1, 7))
+_panel_3h, _panel_4h, _panel_5h, _panel_6h = (_panel_tile_rows(r, 2) for r in range(3, 7))
+_panel_4q, _panel_5q, _panel_6q = (_panel_tile_rows(r, 1) for r in range(4, 7))
 
 
 @njit(inline="always", fastmath=True)
 def _panel_tile(x, x_at, m0, rows, panels, p, span, y, column, prefetching):
-    """The tile for `rows` (1 .. _PANEL_ROWS) x rows from m0, over K span = (k0, k1); prefetching = (start, stop,
-    lines): a lone tile prefetches four lines a step (the next chunk's every line), two or three tiles two, more
-    tiles one."""
+    """The tile for `rows` (1 .. _PANEL_ROWS) x rows from m0, over K span = (k0, k1), x's value (r, step) at
+    x_first + r * x_row + step * x_step with x_at = (x_first, x_row, x_step); prefetching = (start, stop, lines),
+    lines as the tiles above take them."""
     k0, k1 = span
     start, stop, lines = prefetching
     x_first, x_row, x_step = x_at
@@ -1061,11 +1068,7 @@ def _panel_tile(x, x_at, m0, rows, panels, p, span, y, column, prefetching):
         else:
             _panel_6(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
     elif lines == 2:
-        if rows == 1:
-            _panel_1h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
-        elif rows == 2:
-            _panel_2h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
-        elif rows == 3:
+        if rows == 3:
             _panel_3h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
         elif rows == 4:
             _panel_4h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
@@ -1073,12 +1076,6 @@ def _panel_tile(x, x_at, m0, rows, panels, p, span, y, column, prefetching):
             _panel_5h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
         else:
             _panel_6h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
-    elif rows == 1:
-        _panel_1q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
-    elif rows == 2:
-        _panel_2q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
-    elif rows == 3:
-        _panel_3q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
     elif rows == 4:
         _panel_4q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
     elif rows == 5:

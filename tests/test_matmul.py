@@ -37,13 +37,17 @@ def test_plain_linear_equals_the_linear_it_replaces(in_features, out_features, b
     # Every row count mod 2 and mod 3 (the kernel pairs rows, and from three rows on prefetches in passes of two to
     # three x rows, AVX-512: two to six), both sides of the kernel's limit, and a 3-d input.
     limit = numba_max_rows()
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 23, 29, limit, limit + 1, 97):
-        x = torch.randn(rows, in_features)
-        with torch.inference_mode():
-            torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
+    _assert_computes(plain, linear, (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 23, 29, limit, limit + 1, 97))
+
+
+def _assert_computes(module: torch.nn.Module, linear: torch.nn.Linear, row_counts: tuple[int, ...]) -> None:
+    """`module` gives `linear`'s float32 products at each row count, and over a 3-d input."""
     with torch.inference_mode():
-        x = torch.randn(2, 5, in_features)
-        torch.testing.assert_close(plain(x), linear(x), atol=1e-5, rtol=1e-5)
+        for rows in row_counts:
+            x = torch.randn(rows, linear.in_features)
+            torch.testing.assert_close(module(x), linear(x), atol=1e-5, rtol=1e-5)
+        x = torch.randn(2, 5, linear.in_features)
+        torch.testing.assert_close(module(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,13 +93,7 @@ def test_panel_linear_equals_the_linear_it_replaces(in_features, out_features, b
     assert panel.panels.shape == (-(-out_features // kernel.PANEL), in_features, kernel.PANEL)
     # One tile (1-6 rows), two or three (7-18), more (x packed), a block of 128 and past it (two walks over the
     # weights).
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 18, 19, 40, 56, 128, 129, 300):
-        x = torch.randn(rows, in_features)
-        with torch.inference_mode():
-            torch.testing.assert_close(panel(x), linear(x), atol=1e-5, rtol=1e-5)
-    with torch.inference_mode():
-        x = torch.randn(2, 5, in_features)
-        torch.testing.assert_close(panel(x), linear(x), atol=1e-5, rtol=1e-5)
+    _assert_computes(panel, linear, (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 18, 19, 40, 56, 128, 129, 300))
 
 
 @pytest.mark.parametrize("out_features", [130, 774])
