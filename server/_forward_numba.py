@@ -68,7 +68,10 @@ or per row where the rows keep every thread busy (AVX-512: task_heads), reading 
 slot in place. A task scores each visible key against the G query
 heads that share the KV head while the key is in cache, takes a softmax per query
 head, and sums the values the same way, prefetching keys and values 16 keys
-ahead. On a CPU this replaces one scaled-dot-product call per row and layer
+ahead. On AVX-512 CPUs other than Zen 4, heads of 64, 128 or 256 values go
+through two tiles written in IR instead (_TILED_ATTENTION): six queries by four
+keys of dot products ending in one shuffle tree, and six queries' weighted sums
+over 64 columns held in registers, a key a step. On a CPU this replaces one scaled-dot-product call per row and layer
 (about 0.1 ms each, whatever the row's size) with a few microseconds of
 arithmetic. A query at new position t sees every cached key and its row's new
 keys j <= t: all of them in a chain, its ancestors in a tree (tree_masks). Keys
@@ -212,6 +215,23 @@ _HEADS_TOGETHER = _AVX512
 _KEYS_TO = _TO_L2 if _AVX512 else _TO_L1
 _VALUE_QUERIES = 3  # queries that share each value read in _weighted_values (six from L2: 0.71-0.76x the time of one)
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
+# On AVX-512 CPUs other than Zen 4 (untimed there, as the panels), heads of a multiple of PANEL values (64, 128, 256)
+# attend through two tiles written in IR, as the products' are. A score tile takes _SCORE_QUERIES queries by four
+# keys, dot products a vector of the head at a time (6 x 4 sums, four key vectors and a query's in 29 of the 32
+# registers), and one shuffle tree a four; a value tile _VALUE_ROWS queries' weighted sums over PANEL of the head's
+# columns, a key a step (the panel product's step: the key's values as four vectors, each query's weight
+# broadcast). A tile walks a block of one head's keys, which its block's other tiles then read from L1, and the
+# block's tiles share the prefetch of the next block, a line or more a step each. Those blocks: _SCORE_KEYS and
+# _VALUE_KEYS (from memory, one thread, the score tiles took 0.80-0.90x the time with blocks of 16 keys as with 64,
+# the value tiles 0.92-0.97x with 32). 28 layers' attention (12 heads, 2 KV heads of 128) at 2,000 cached keys a
+# row, in turn with the loops of dot_4x2 and _four_values on a 2-core Xeon: 8 x 5 0.65x the time, 8 x 1 0.86x, 1 x 5
+# 0.67x, 1 x 1 0.73x; at 200 keys 8 x 5 0.69x, 16 x 5 0.70x. Whole forwards of the real 1.5B at 2,000 keys: 8 x 5
+# 0.90x, 8 x 1 and 1 x 5 0.97x (docs/engine-cpu.md). Other heads, Zen 4 and AVX2 keep the loops.
+_TILED_ATTENTION = _AVX512 and not _ZEN_AVX512
+_SCORE_QUERIES = 6
+_VALUE_ROWS = 6
+_SCORE_KEYS = 16  # one head's 8 KB at D = 128, float32
+_VALUE_KEYS = 32  # 8 KB of one head's PANEL columns
 _CHUNK_TOKENS = 16  # a row's tokens attend in chunks of at most this many (attention.py's NUMBA_MAX_NEW)
 _CHUNK_SCORES = 2048 * 1024  # and of at most this many scores (8 MB), down to one token
 _SILU_CHUNK = 2048  # columns per parallel task
@@ -763,6 +783,17 @@ def _llvm_prefetch(builder):
     return cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0")
 
 
+def _broadcast(builder, value):
+    """A float32 in every lane of a vector."""
+    undefined, lanes = ir.Constant(_V, ir.Undefined), ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+    return builder.shuffle_vector(builder.insert_element(undefined, value, _I32(0)), undefined, lanes)
+
+
+def _clamped(builder, index, last):
+    """min(index, last), int64."""
+    return builder.select(builder.icmp_signed("<", index, last), index, last)
+
+
 def _horizontal_sums(builder, vectors):
     """Each vector's lanes' sum: halves added, then quarters, and so on to the last two, as the tiles have always
     summed (so the same bits), a vector's worth of vectors at a time (sixteen with AVX-512, eight with AVX2). At each
@@ -1013,10 +1044,8 @@ def _panel_tile_ir(context, builder, signature, args, shape):
         for j in range(vectors)
     ]
     new = []
-    undefined, lanes = ir.Constant(_V, ir.Undefined), ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
     for r in range(rows):
-        value = builder.load(builder.gep(x_rows[r], [builder.mul(step, x_step)]))
-        broadcast = builder.shuffle_vector(builder.insert_element(undefined, value, _I32(0)), undefined, lanes)
+        broadcast = _broadcast(builder, builder.load(builder.gep(x_rows[r], [builder.mul(step, x_step)])))
         new += [builder.call(fma, [broadcast, w[j], sums[r * vectors + j]]) for j in range(vectors)]
     slot = builder.mul(builder.sub(step, k0), _I64(lines))
     for i in range(lines):
@@ -1085,19 +1114,21 @@ def _panel_tile(x, x_at, m0, rows, panels, p, span, y, column, prefetching):
 
 
 def warm_up_attention() -> None:
-    _check_attention(lambda cache: cache)
+    for head_dim in (4, PANEL):  # the loops, and the tiles where they run
+        _check_attention(lambda cache: cache, head_dim)
 
 
 def warm_up_attention_bfloat16() -> None:
     # The cache as bfloat16 bits: its values are exact in bfloat16, the top 16 bits of their float32.
-    _check_attention(lambda cache: (cache.view(np.uint32) >> 16).astype(np.uint16).view(np.int16))
+    for head_dim in (4, PANEL):
+        _check_attention(lambda cache: (cache.view(np.uint32) >> 16).astype(np.uint16).view(np.int16), head_dim)
 
 
-def _check_attention(as_cache) -> None:
+def _check_attention(as_cache, head_dim) -> None:
     """Equal scores: token 0 averages keys 0-2, token 1 keys 0-3, with the cache as as_cache(float32 values)."""
-    q = np.zeros((2, 2, 4), np.float32)  # two tokens of a chain, two heads sharing one KV head
-    keys = np.zeros((1, 4, 1, 4), np.float32)
-    values = np.arange(16, dtype=np.float32).reshape(1, 4, 1, 4)
+    q = np.zeros((2, 2, head_dim), np.float32)  # two tokens of a chain, two heads sharing one KV head
+    keys = np.zeros((1, 4, 1, head_dim), np.float32)
+    values = np.arange(4 * head_dim, dtype=np.float32).reshape(1, 4, 1, head_dim)
     out = np.empty_like(q)
     one = np.ones(1, np.int64)
     rows = (np.zeros(1, np.int64), 2 * one, np.zeros(1, np.int64), 2 * one, -one, np.ones(0, np.bool_))
@@ -1160,13 +1191,20 @@ def _attend_chunk(q, k_cache, v_cache, start, tokens, place, tree, tree_masks, s
             for d in range(head_dim):
                 queries[h, i, d] = q[start + first + i // group, (first_head + h) * group + i % group, d] * scale
     scores = np.empty((heads, num_queries, num_keys), np.float32)
-    _scores(queries, k_cache, slot, first_head, num_keys, scores)
+    tiled = _TILED_ATTENTION and head_dim % PANEL == 0
+    if tiled:
+        _tiled_scores(queries, k_cache, slot, first_head, num_keys, scores)
+    else:
+        _scores(queries, k_cache, slot, first_head, num_keys, scores)
     for h in range(heads):
         for i in range(num_queries):
             _softmax(scores[h, i], first + i // group, (cached, num_keys, new), tree, tree_masks)
     # Each head's sums in _VALUE_QUERIES - 1 rows more than its queries: scratch (_weighted_values).
     sums = np.zeros((heads, num_queries + _VALUE_QUERIES - 1, head_dim), np.float32)
-    _weighted_values(scores, v_cache, slot, first_head, num_keys, sums)
+    if tiled:
+        _tiled_values(scores, v_cache, slot, first_head, num_keys, sums)
+    else:
+        _weighted_values(scores, v_cache, slot, first_head, num_keys, sums)
     for h in range(heads):
         for i in range(num_queries):
             for d in range(head_dim):
@@ -1184,10 +1222,7 @@ def _softmax(scores, t, keys, tree, tree_masks):
         for j in range(t + 1):
             if not tree_masks[tree + t * new + j]:
                 scores[cached + j] = -np.inf
-    top = -np.inf
-    for key in range(seen):
-        top = max(top, scores[key])
-    _exp_minus(scores, seen, top)
+    _exp_minus(scores, seen, _largest(scores, seen))
     if tree != NO_TREE:  # exactly nothing from the keys the tree hides
         for j in range(t + 1):
             if not tree_masks[tree + t * new + j]:
@@ -1248,6 +1283,20 @@ def _exp(x):
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     return (p * (r * r) + r + _ONE) * _float32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@njit(fastmath=_FAST)
+def _largest(row, count):
+    """max(row[:count]) for count >= 1 values, none NaN. Through each value's bits as an int32 whose order is the
+    floats' (a negative float's other 31 bits flipped), since LLVM vectorizes an integer max and no form of the float
+    max numba writes: 0.1 ns a value against 1.1 on a 2-core Xeon, which had made the max half of attention's softmax
+    (8 x 5 at 2,000 cached keys: 35 ms of a 150 ms forward's attention)."""
+    _wide_vectors()
+    bits = row[:count].view(np.int32)
+    top = np.int32(-(1 << 31))
+    for k in range(count):
+        top = max(top, bits[k] ^ ((bits[k] >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+    return _float32_from_bits(top ^ ((top >> np.int32(31)) & np.int32(0x7FFFFFFF)))
 
 
 @njit(fastmath=_FAST)
@@ -1383,6 +1432,255 @@ def _prefetch_row(typingctx, rows, row):
         return context.get_dummy_value()
 
     return types.none(rows, row), codegen
+
+
+@njit(fastmath=_FAST)
+def _tiled_scores(queries, k_cache, slot, first_head, num_keys, scores):
+    """_scores through the score tiles (_TILED_ATTENTION): _SCORE_KEYS keys at a time, a block's heads one after
+    the other, each head's queries _SCORE_QUERIES a tile."""
+    heads, num_queries = queries.shape[0], queries.shape[1]
+    max_len, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[slot].reshape(max_len * num_kv_heads, head_dim)  # key k of head h: row k * KVH + h
+    tiles = (num_queries + _SCORE_QUERIES - 1) // _SCORE_QUERIES
+    for k0 in range(0, num_keys, _SCORE_KEYS):
+        k1 = min(k0 + _SCORE_KEYS, num_keys)
+        for h in range(heads):
+            head = (first_head + h, num_kv_heads)
+            for tile in range(tiles):
+                ahead = (k1, num_keys - 1, tile, tiles)
+                _attention_tile_call(False, queries[h], tile * _SCORE_QUERIES, keys, head, scores[h], (k0, k1), ahead)
+
+
+@njit(fastmath=_FAST)
+def _tiled_values(weights, v_cache, slot, first_head, num_keys, sums):
+    """_weighted_values through the value tiles (_TILED_ATTENTION): _VALUE_KEYS keys at a time, a block's heads
+    one after the other, each head's PANEL columns at a time and its queries _VALUE_ROWS a tile."""
+    heads, num_queries = weights.shape[0], weights.shape[1]
+    max_len, num_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    values = v_cache[slot].reshape(max_len * num_kv_heads, head_dim)  # as _tiled_scores' keys
+    tiles = (num_queries + _VALUE_ROWS - 1) // _VALUE_ROWS
+    for k0 in range(0, num_keys, _VALUE_KEYS):
+        k1 = min(k0 + _VALUE_KEYS, num_keys)
+        for h in range(heads):
+            head = (first_head + h, num_kv_heads)
+            for column in range(0, head_dim, PANEL):
+                for tile in range(tiles):
+                    ahead = (k1, num_keys - 1, tile, tiles)
+                    span = (k0, k1, column)
+                    _attention_tile_call(True, weights[h], tile * _VALUE_ROWS, values, head, sums[h], span, ahead)
+
+
+@njit(inline="always")
+def _attention_tile_call(values, rows, i0, cache, head, out, span, ahead):
+    """A value tile (`values`) or a score tile, the one whose prefetches with the block's other tiles' (ahead[3] in
+    all) cover the next block: alone a score tile's four keys a four and a value tile's four lines a step, two
+    among two or three tiles, one among four or more."""
+    tiles = ahead[3]
+    lines = 4 if tiles == 1 else 2 if tiles <= 3 else 1
+    if values:
+        if lines == 4:
+            _value_4(rows, i0, cache, head, out, span, ahead)
+        elif lines == 2:
+            _value_2(rows, i0, cache, head, out, span, ahead)
+        else:
+            _value_1(rows, i0, cache, head, out, span, ahead)
+    elif lines == 4:
+        _score_4(rows, i0, cache, head, out, span, ahead)
+    elif lines == 2:
+        _score_2(rows, i0, cache, head, out, span, ahead)
+    else:
+        _score_1(rows, i0, cache, head, out, span, ahead)
+
+
+def _attention_types(rows, cache, out) -> bool:
+    """Whether an attention tile takes these arrays: float32 rows and out, a float32 or bfloat16-bits cache, all C
+    order."""
+    return (
+        all(a.layout == "C" for a in (rows, cache, out))
+        and rows.dtype == out.dtype == types.float32
+        and (cache.dtype in (types.float32, types.int16))
+    )
+
+
+def _attention_tile(emit, lines):
+    """An intrinsic tile(rows, i0, cache, head, out, span, ahead) whose IR `emit` writes (_score_tile_ir or
+    _value_tile_ir), each step prefetching `lines` lines of the next block."""
+
+    @intrinsic
+    def tile(typingctx, rows, i0, cache, head, out, span, ahead):
+        if not _attention_types(rows, cache, out):
+            return None
+
+        def codegen(context, builder, signature, args):
+            emit(context, builder, signature, args, lines)
+            return context.get_dummy_value()
+
+        return types.none(rows, i0, cache, head, out, span, ahead), codegen
+
+    return tile
+
+
+def _score_tile_ir(context, builder, signature, args, lines):
+    """The IR of a score tile(queries, i0, keys, head, scores, span, ahead): scores[i, key] = queries[i] .
+    keys[row + key * stride] for the tile's queries i = min(i0 + r, Q - 1), r < _SCORE_QUERIES, and keys k0 .. k1 -
+    1 four at a time (a four's keys min(key + j, K - 1): one past K - 1 is computed again, to the same bits):
+    queries [Q, D] and scores [Q, K] float32, keys [R, D] float32 or bfloat16 bits, head = (row, stride), span =
+    (k0, k1). Each step dot products a vector of D for the six queries by four keys; each four ends in one shuffle
+    tree (_horizontal_sums), so that a score's bits are the same in every tile. Each four also prefetches the rows
+    of `lines` keys of the next block (_next_block; ahead = (next key, last key, tile, tiles)), a line of each a
+    step."""
+    qs, ks, ss = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
+    i0, (row, stride), (k0, k1) = args[1], _ints(builder, args[3], 2), _ints(builder, args[5], 2)
+    ahead, bfloat16 = _ints(builder, args[6], 4), signature.args[2].dtype == types.int16
+    dim, width = builder.extract_value(qs.shape, 1), builder.extract_value(ss.shape, 1)
+    last_query = builder.sub(builder.extract_value(qs.shape, 0), _I64(1))
+    rows = [_clamped(builder, builder.add(i0, _I64(r)), last_query) for r in range(_SCORE_QUERIES)]
+    q_rows = [builder.gep(qs.data, [builder.mul(i, dim)]) for i in rows]
+    fma, zero = _fmuladd(builder), ir.Constant(_V, [0.0] * _LANES)
+
+    def key_row(key):
+        return builder.gep(ks.data, [builder.mul(builder.add(row, builder.mul(key, stride)), dim)])
+
+    entry = builder.block
+    fours, four, steps, step, summing, done = (
+        builder.append_basic_block(name) for name in ("fours", "four", "steps", "step", "sums", "done")
+    )
+    builder.branch(fours)
+    builder.position_at_end(fours)
+    first = builder.phi(_I64)  # the four's first key
+    builder.cbranch(builder.icmp_signed("<", first, k1), four, done)
+    builder.position_at_end(four)
+    last_key = builder.sub(width, _I64(1))
+    columns = [_clamped(builder, builder.add(first, _I64(j)), last_key) for j in range(4)]
+    k_rows = [key_row(key) for key in columns]
+    fours_done = builder.ashr(builder.sub(first, k0), _I64(2))
+    ahead_rows = [key_row(key) for key in _next_block(builder, ahead, lines, fours_done)]
+    builder.branch(steps)
+
+    builder.position_at_end(steps)
+    at = builder.phi(_I64)
+    sums = [builder.phi(_V) for _ in range(4 * _SCORE_QUERIES)]  # query r by key j at r * 4 + j
+    builder.cbranch(builder.icmp_signed("<", at, dim), step, summing)
+    builder.position_at_end(step)
+    k = [_cache_vector(builder, builder.gep(pointer, [at]), bfloat16) for pointer in k_rows]
+    new = []
+    for r in range(_SCORE_QUERIES):
+        u = builder.load(builder.bitcast(builder.gep(q_rows[r], [at]), _V.as_pointer()), align=4)
+        new += [builder.call(fma, [u, k[j], sums[r * 4 + j]]) for j in range(4)]
+    for pointer in ahead_rows:
+        _prefetch_at(builder, builder.gep(pointer, [at]))
+    next_at = builder.add(at, _I64(_LANES))
+    builder.branch(steps)
+    at.add_incoming(_I64(0), four)
+    at.add_incoming(next_at, step)
+    for total, updated in zip(sums, new):
+        total.add_incoming(zero, four)
+        total.add_incoming(updated, step)
+
+    builder.position_at_end(summing)
+    for index, value in enumerate(_horizontal_sums(builder, sums)):
+        place = builder.add(builder.mul(rows[index // 4], width), columns[index % 4])
+        builder.store(value, builder.gep(ss.data, [place]))
+    next_first = builder.add(first, _I64(4))
+    builder.branch(fours)
+    first.add_incoming(k0, entry)
+    first.add_incoming(next_first, summing)
+    builder.position_at_end(done)
+
+
+def _value_tile_ir(context, builder, signature, args, lines):
+    """The IR of a value tile(weights, i0, values, head, sums, span, ahead): sums[i, c:c + PANEL] += weights[i, key] *
+    values[row + key * stride, c:c + PANEL] over key = k0 .. k1 - 1 in order, for the tile's queries i = min(i0 +
+    r, Q - 1), r < _VALUE_ROWS: weights [Q, >= k1] and sums [>= Q, D] float32, values [R, D] float32 or bfloat16
+    bits, head = (row, stride), span = (k0, k1, c). A step takes one key: its PANEL values as four vectors and each
+    query's weight broadcast. A query's sums are one chain of fused multiply-adds over the keys, whatever the tile,
+    and a weight of zero adds exactly nothing. A step also prefetches `lines` lines of the next block's columns c
+    .. c + PANEL - 1: line l of them is part l % P of key l // P, P the lines a key's PANEL values take, and the
+    s-th step of tile t of n takes lines (s n + t) lines + i, i < lines (_next_block's keys, as lines)."""
+    ws, vs, ss = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 4))
+    i0, (row, stride), (k0, k1, column) = args[1], _ints(builder, args[3], 2), _ints(builder, args[5], 3)
+    next_key, last_key, tile, tiles = _ints(builder, args[6], 4)
+    bfloat16 = signature.args[2].dtype == types.int16
+    width, dim = builder.extract_value(ws.shape, 1), builder.extract_value(ss.shape, 1)
+    last = builder.sub(builder.extract_value(ws.shape, 0), _I64(1))
+    rows = [_clamped(builder, builder.add(i0, _I64(r)), last) for r in range(_VALUE_ROWS)]
+    w_rows = [builder.gep(ws.data, [builder.mul(i, width)]) for i in rows]
+    vectors = PANEL // _LANES
+    outs = []
+    for i in rows:
+        start = builder.gep(ss.data, [builder.add(builder.mul(i, dim), column)])
+        outs += [builder.bitcast(builder.gep(start, [_I64(j * _LANES)]), _V.as_pointer()) for j in range(vectors)]
+    fma = _fmuladd(builder)
+    per_line = _LINE // (2 if bfloat16 else 4)  # values a line holds
+    parts = (PANEL // per_line).bit_length() - 1  # log2 of the lines a key's PANEL values take
+
+    def place(key):  # where the key's values from `column` begin
+        return builder.add(builder.mul(builder.add(row, builder.mul(key, stride)), dim), column)
+
+    last_line = builder.sub(builder.shl(builder.add(last_key, _I64(1)), _I64(parts)), _I64(1))
+    ahead = (builder.shl(next_key, _I64(parts)), last_line, tile, tiles)  # in lines, as _next_block takes keys
+    kept = [builder.load(pointer, align=4) for pointer in outs]
+    entry = builder.block
+    head, body, done = (builder.append_basic_block(name) for name in ("head", "body", "done"))
+    builder.branch(head)
+    builder.position_at_end(head)
+    key = builder.phi(_I64)
+    sums = [builder.phi(_V) for _ in outs]  # query r's PANEL columns at r * vectors ..
+    builder.cbranch(builder.icmp_signed("<", key, k1), body, done)
+    builder.position_at_end(body)
+    value_row = builder.gep(vs.data, [place(key)])
+    v = [_cache_vector(builder, builder.gep(value_row, [_I64(j * _LANES)]), bfloat16) for j in range(vectors)]
+    new = []
+    for r in range(_VALUE_ROWS):
+        broadcast = _broadcast(builder, builder.load(builder.gep(w_rows[r], [key])))
+        new += [builder.call(fma, [broadcast, v[j], sums[r * vectors + j]]) for j in range(vectors)]
+    for line in _next_block(builder, ahead, lines, builder.sub(key, k0)):
+        offset = builder.mul(builder.and_(line, _I64((1 << parts) - 1)), _I64(per_line))
+        address = builder.add(place(builder.ashr(line, _I64(parts))), offset)
+        _prefetch_at(builder, builder.gep(vs.data, [address]))
+    next_key = builder.add(key, _I64(1))
+    builder.branch(head)
+    key.add_incoming(k0, entry)
+    key.add_incoming(next_key, body)
+    for total, value, updated in zip(sums, kept, new):
+        total.add_incoming(value, entry)
+        total.add_incoming(updated, body)
+    builder.position_at_end(done)
+    for total, pointer in zip(sums, outs):
+        builder.store(total, pointer, align=4)
+
+
+def _next_block(builder, ahead, lines, step):
+    """The keys (as key indices) whose rows a tile prefetches at its step-th unit (a four's steps, a key): ahead =
+    (next key, last key, tile, tiles); tile t of n takes keys (step n + t) lines + i, i < lines, of the next block,
+    each within the last key, so that a block's tiles together take n x lines keys a unit, each its own."""
+    next_key, last_key, tile, tiles = ahead
+    first = builder.mul(builder.add(builder.mul(step, tiles), tile), _I64(lines))
+    return [_clamped(builder, builder.add(next_key, builder.add(first, _I64(i))), last_key) for i in range(lines)]
+
+
+def _prefetch_at(builder, pointer):
+    """Prefetch the line at `pointer` (_KEYS_TO)."""
+    builder.call(_llvm_prefetch(builder), [builder.bitcast(pointer, _I8P), _I32(0), _I32(_KEYS_TO), _I32(1)])
+
+
+def _ints(builder, value, count):
+    """The int64s of a tuple argument."""
+    return [builder.extract_value(value, i) for i in range(count)]
+
+
+def _cache_vector(builder, pointer, bfloat16):
+    """_LANES values of a cache from `pointer` as float32: float32 themselves, or bfloat16 bits (int16), each the
+    high half of its float32."""
+    if not bfloat16:
+        return builder.load(builder.bitcast(pointer, _V.as_pointer()), align=4)
+    kind = ir.VectorType(ir.IntType(16), _LANES)
+    wide = builder.zext(builder.load(builder.bitcast(pointer, kind.as_pointer()), align=2), ir.VectorType(_I32, _LANES))
+    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(_I32, _LANES), [16] * _LANES)), _V)
+
+
+_score_1, _score_2, _score_4 = (_attention_tile(_score_tile_ir, lines) for lines in (1, 2, 4))
+_value_1, _value_2, _value_4 = (_attention_tile(_value_tile_ir, lines) for lines in (1, 2, 4))
 
 
 # ---------------------------------------------------------------------------------------------------------

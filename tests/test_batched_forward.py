@@ -320,6 +320,65 @@ def test_a_tree_node_gets_nothing_from_keys_it_cannot_see():
         torch.testing.assert_close(after[t], before[t], atol=0, rtol=0)  # one path, one input: bit for bit
 
 
+def _wide_head_step(head_dim: int, generator: torch.Generator):
+    """A step of five rows over heads of head_dim values (12 heads, 2 KV heads, as the 1.5B): 1-16 new tokens over
+    0-300 cached keys, chains and a tree. Returns (q, k_cache, v_cache, cu, slots, num_keys, tree masks)."""
+    from specedge.server import tree
+
+    lengths, cached = (1, 5, NUMBA_MAX_NEW, 5, 3), (0, 37, 300, 200, 1)
+    masks = (None, None, None, tree.ancestor_mask((0, 0, 1, 2), 5), None)
+    k_cache, v_cache = (torch.randn(5, 320, 2, head_dim, generator=generator) for _ in range(2))
+    cu = (0, *itertools.accumulate(lengths))
+    q = torch.randn(cu[-1], 12, head_dim, generator=generator)
+    num_keys = tuple(c + n for c, n in zip(cached, lengths))
+    return q, k_cache, v_cache, cu, (4, 0, 2, 1, 3), num_keys, masks
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_numba_attention_over_wide_heads_gives_what_exact_attention_gives(head_dim):
+    """Heads of 64 and 128 values, which AVX-512 CPUs attend through the score and value tiles (the loops
+    elsewhere): every row within float32 rounding of the row loop in float64, in a step of five rows and alone."""
+    from specedge.server import tree
+    from specedge.server.attention import compiled_rows, row_attention
+
+    q, k_cache, v_cache, cu, slots, num_keys, masks = _wide_head_step(head_dim, torch.Generator().manual_seed(3))
+    layout = compiled_rows(cu, slots, num_keys, masks)
+    assert layout.others == ()
+    got = row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout)
+
+    def full_mask(row: int) -> torch.Tensor:  # [new, cached + new]
+        new = cu[row + 1] - cu[row]
+        own = masks[row] if masks[row] is not None else tree.ancestor_mask(None, new)
+        return torch.cat((torch.ones(new, num_keys[row] - new, dtype=torch.bool), own), dim=1)
+
+    full_masks = tuple(full_mask(row) for row in range(len(slots)))
+    exact = row_attention(q.double(), k_cache.double(), v_cache.double(), cu, slots, num_keys, full_masks)
+    torch.testing.assert_close(got, exact.float(), atol=1e-5, rtol=1e-4)
+    for row in range(len(slots)):  # alone, a KV head a task: the same code for every query, so the same bits
+        one = ((0, cu[row + 1] - cu[row]), (slots[row],), (num_keys[row],), (masks[row],))
+        tokens = slice(cu[row], cu[row + 1])
+        assert torch.equal(row_attention(q[tokens], k_cache, v_cache, *one, compiled_rows(*one)), got[tokens])
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_a_tokens_attention_has_the_same_bits_whatever_follows_it_in_its_row(head_dim):
+    """A verify round's first k tokens give the same bits whether the round holds k tokens or all of them, so a
+    token's attention does not depend on its round's length (heads of 16 through the loops, 128 through the tiles
+    on AVX-512)."""
+    from specedge.server.attention import compiled_rows, row_attention
+
+    q, k_cache, v_cache, *_ = _wide_head_step(head_dim, torch.Generator().manual_seed(4))
+    cached, slot = 200, 1
+
+    def first(k: int) -> torch.Tensor:
+        layout = compiled_rows((0, k), (slot,), (cached + k,), (None,))
+        return row_attention(q[:k], k_cache, v_cache, (0, k), (slot,), (cached + k,), (None,), layout)
+
+    whole = first(NUMBA_MAX_NEW)
+    for k in (1, 2, 5, 7):
+        assert torch.equal(first(k), whole[:k])
+
+
 def test_numba_attention_reads_a_bfloat16_cache_in_place_and_rounds_once():
     """A bfloat16 server's rows: the kernel reads the cache's bits where they lie and sums in float32, so each
     output is the float32 attention over the same bfloat16 values, rounded to bfloat16 once. Chains, a tree and
