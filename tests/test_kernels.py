@@ -9,6 +9,7 @@ self-contained, and a second process must load the forward's kernels from the ca
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -103,6 +104,18 @@ def test_a_second_process_loads_the_forward_kernels_from_the_cache():
     counts = {name: (int(hits), int(misses)) for name, hits, misses in map(str.split, run.stdout.splitlines())}
     assert set(counts) == {"matmul", "attend", "decoder_layer"}, run.stdout
     assert all(hits >= 1 and misses == 0 for hits, misses in counts.values()), (counts, run.stderr)
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "2"), ("3", "3")])
+def test_the_kernels_compile_at_numbas_level_2_unless_the_user_sets_one(given, expected):
+    """At numba's default level 3 a kernel loaded from the cache ran slower than the same kernel compiled fresh
+    (specedge/__init__.py); importing any of ours first sets level 2, and a user's NUMBA_OPT stands."""
+    env = {key: value for key, value in os.environ.items() if key != "NUMBA_OPT"}
+    if given is not None:
+        env["NUMBA_OPT"] = given
+    code = "import specedge.server._race_numba, numba\nprint(int(numba.core.config.OPT))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env)
+    assert run.stdout.strip() == expected
 
 
 def test_a_kernel_that_fails_to_compile_leaves_the_others_their_speed(monkeypatch, caplog):
