@@ -1187,9 +1187,10 @@ def _attend_chunk(q, k_cache, v_cache, start, tokens, place, tree, tree_masks, s
     # first + i // G, head (first_head + h) * G + i % G.
     queries = np.empty((heads, num_queries, head_dim), np.float32)
     for h in range(heads):
-        for i in range(num_queries):
+        for i in range(num_queries):  # the indices outside the copy: at numba's level 2 they were computed in it
+            token, head = start + first + i // group, (first_head + h) * group + i % group
             for d in range(head_dim):
-                queries[h, i, d] = q[start + first + i // group, (first_head + h) * group + i % group, d] * scale
+                queries[h, i, d] = q[token, head, d] * scale
     scores = np.empty((heads, num_queries, num_keys), np.float32)
     tiled = _TILED_ATTENTION and head_dim % PANEL == 0
     if tiled:
@@ -1207,8 +1208,9 @@ def _attend_chunk(q, k_cache, v_cache, start, tokens, place, tree, tree_masks, s
         _weighted_values(scores, v_cache, slot, first_head, num_keys, sums)
     for h in range(heads):
         for i in range(num_queries):
+            token, head = start + first + i // group, (first_head + h) * group + i % group
             for d in range(head_dim):
-                out[start + first + i // group, (first_head + h) * group + i % group, d] = sums[h, i, d]
+                out[token, head, d] = sums[h, i, d]
 
 
 @njit(inline="always", fastmath=_FAST)
@@ -1227,12 +1229,7 @@ def _softmax(scores, t, keys, tree, tree_masks):
         for j in range(t + 1):
             if not tree_masks[tree + t * new + j]:
                 scores[cached + j] = 0.0
-    total = np.float32(0.0)
-    for key in range(seen):
-        total += scores[key]
-    inverse = np.float32(1.0) / total
-    for key in range(seen):
-        scores[key] *= inverse
+    _normalize(scores, seen)
 
 
 # Cephes' expf: exp(x) = 2**n * e**r, n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e**r by a
@@ -1297,6 +1294,19 @@ def _largest(row, count):
     for k in range(count):
         top = max(top, bits[k] ^ ((bits[k] >> np.int32(31)) & np.int32(0x7FFFFFFF)))
     return _float32_from_bits(top ^ ((top >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+
+
+@njit(fastmath=_FAST)
+def _normalize(row, count):
+    """row[:count] times the inverse of its sum: in a function of its own, whose loops vectorize at numba's level 2
+    as inlined into the attention they did not."""
+    _wide_vectors()
+    total = _ZERO
+    for k in range(count):
+        total += row[k]
+    inverse = _ONE / total
+    for k in range(count):
+        row[k] *= inverse
 
 
 @njit(fastmath=_FAST)
