@@ -700,9 +700,23 @@ def _as_float(typingctx, value):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _I32(16)), _F32)
+        return _from_bfloat16(builder, args[0])
 
     return types.float32(value), codegen
+
+
+def _from_bfloat16(builder, bits):
+    """bfloat16 bits (an int16, or a vector of them) as the float32s they are: each the high half of its 32 bits."""
+    if isinstance(bits.type, ir.VectorType):
+        count = bits.type.count
+        wide, floats, sixteen = (
+            ir.VectorType(_I32, count),
+            ir.VectorType(_F32, count),
+            ir.Constant(ir.VectorType(_I32, count), [16] * count),
+        )
+    else:
+        wide, floats, sixteen = _I32, _F32, _I32(16)
+    return builder.bitcast(builder.shl(builder.zext(bits, wide), sixteen), floats)
 
 
 def _is_true(builder, flag):
@@ -1434,11 +1448,9 @@ def _prefetch_row(typingctx, rows, row):
         array = context.make_array(signature.args[0])(context, builder, args[0])
         width = builder.extract_value(array.shape, 1)
         start = builder.gep(array.data, [builder.mul(args[1], width)])
-        prefetch = _llvm_prefetch(builder)
         lines = builder.lshr(builder.add(width, _I64((1 << line_bits) - 1)), _I64(line_bits))
         with cgutils.for_range(builder, lines) as loop:
-            line = builder.gep(start, [builder.shl(loop.index, _I64(line_bits))])
-            builder.call(prefetch, [builder.bitcast(line, _I8P), _I32(0), _I32(_KEYS_TO), _I32(1)])
+            _prefetch_at(builder, builder.gep(start, [builder.shl(loop.index, _I64(line_bits))]))
         return context.get_dummy_value()
 
     return types.none(rows, row), codegen
@@ -1685,8 +1697,7 @@ def _cache_vector(builder, pointer, bfloat16):
     if not bfloat16:
         return builder.load(builder.bitcast(pointer, _V.as_pointer()), align=4)
     kind = ir.VectorType(ir.IntType(16), _LANES)
-    wide = builder.zext(builder.load(builder.bitcast(pointer, kind.as_pointer()), align=2), ir.VectorType(_I32, _LANES))
-    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(_I32, _LANES), [16] * _LANES)), _V)
+    return _from_bfloat16(builder, builder.load(builder.bitcast(pointer, kind.as_pointer()), align=2))
 
 
 _score_1, _score_2, _score_4 = (_attention_tile(_score_tile_ir, lines) for lines in (1, 2, 4))
