@@ -7,14 +7,17 @@ Measured one after the other in this process (CPU only):
 
 1. the limits: memory stream bandwidth (a sum over a --stream-gb float32 tensor) and the peak GEMM rate
    (oneDNN's packed linear and eager F.linear, on a weight of the model's MLP shape, at M = --gemm-m);
-   the same weight at the small M of verify rounds (--kernel-m) on four kernels: eager, oneDNN-packed (laid
+   the same weight at the small M of verify rounds (--kernel-m) on these kernels: eager, oneDNN-packed (laid
    out for 1-row and for 16-row batches; the server packs for server/matmul.py's layout_rows()),
-   and inductor's compiled product with frozen weights (the alternative the packed path was chosen over);
+   inductor's compiled product with frozen weights (the alternative the packed path was chosen over), the
+   numba path's product and, on AVX-512 CPUs in float32, the numba product it does not run (the plain kernel
+   where the panels run, the panels where they do not: Zen 4);
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1; where attention is compiled (numba,
    the CPU float32 default), each forward also on the row loop, and where layers are compiled (numba) also
    module by module, all taken in turn; and one layer's attention alone on both, at --attention-keys cached
-   keys a row;
+   keys a row, where AVX-512 lets the kernel take either also through the attention tiles or loops it does not
+   use by default;
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
 4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits
    (of a random context, flat and scaled to peaked, and of the shipped prompts' text);
@@ -44,6 +47,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from specedge import noise
@@ -53,10 +57,12 @@ from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import (
     PackedLinear,
     PanelEmbedding,
+    PanelLinear,
     PlainLinear,
     numba_projection,
     numba_unavailable,
     onednn_unavailable,
+    panel_kernel,
 )
 from specedge.server.model import ModelArgs
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
@@ -65,6 +71,7 @@ from specedge.types import SamplingParams, SparseDist
 
 PATHS = ("eager", "onednn", "numba")
 KERNELS = ("eager", "onednn@1", "onednn@16", "inductor", "numba")  # matrix kernels compared at small M
+OTHER_NUMBA = ("numba plain", "numba panels")  # the numba product the path does not run, where it can run too
 # onednn@1, @16: packed for 1-row and for 16-row batches (the server packs for layout_rows()); inductor: frozen
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_STEPS = ("1x1", "1x5", "8x1", "8x5", "16x5", "7x5+p120", "p155")
@@ -326,6 +333,8 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     kernels["onednn@1"] = why_not or PackedLinear(linear.weight, None, rows=1)
     kernels["onednn@16"] = why_not or PackedLinear(linear.weight, None, rows=16)
     kernels["numba"] = numba_unavailable(torch.device("cpu"), dtype) or numba_projection(dtype)(linear.weight, None)
+    if other := _other_numba_product(dtype):
+        kernels[other[0]] = other[1](linear.weight, None)
     rows, compile_s = [], {}
     with torch.inference_mode():
         for m in ms:
@@ -345,6 +354,15 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
         "rows": rows,
         "compile_s": compile_s,
     }
+
+
+def _other_numba_product(dtype: torch.dtype) -> tuple[str, type[nn.Module]] | None:
+    """The numba product the numba path does not run, where it can run here (float32 on an AVX-512 CPU): the
+    plain kernel where the panels are the default, the panels where the plain kernel is (Zen 4), so that every
+    such machine's run times both in turn."""
+    if dtype != torch.float32 or numba_unavailable(torch.device("cpu"), dtype) or panel_kernel() is None:
+        return None
+    return ("numba plain", PlainLinear) if numba_projection(dtype) is PanelLinear else ("numba panels", PanelLinear)
 
 
 def _inductor_frozen_ms(
@@ -633,13 +651,18 @@ ATTENTION_STEPS = ("1x1", "8x1", "1x5", "8x5", "16x5")  # rows x new tokens of o
 
 def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
     """One layer's attention at the target's head shape, for each step of ATTENTION_STEPS on `keys` cached keys
-    a row (random values): the numba kernel against the row loop's SDPA calls, taken in turn; ms (medians)."""
-    from specedge.server.attention import compiled_rows, numba_unavailable, row_attention
+    a row (random values): the numba kernel against the row loop's SDPA calls and, on AVX-512 CPUs, against the
+    kernel through the attention tiles or loops it does not take by default ("other"), all taken in turn; ms
+    (medians)."""
+    from specedge.server.attention import compiled_rows, numba_kernel, numba_unavailable, row_attention
     from specedge.server.tree import ancestor_mask
 
     shape = {"heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
     if reason := numba_unavailable(torch.device("cpu"), dtype):
         return {**shape, "skipped": reason}
+    kernel = numba_kernel()
+    tiled = kernel is not None and kernel.TILED_ATTENTION
+    other = ("loops" if tiled else "tiles") if kernel is not None and kernel.AVX512 else None
     rows = []
     generator = torch.Generator().manual_seed(0)
     for cached in keys:
@@ -661,9 +684,12 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
                 "numba": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks, layout),
                 "rows": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks),
             }
+            if other is not None:
+                on = (q, k, v, cu, slots, (num_keys,) * step.rows, masks, layout)
+                paths[other] = functools.partial(row_attention, *on, tiles=not tiled)
             times = _in_turn_ms(paths, repeats)
             rows.append({"step": name, "cached": cached, **{p: statistics.median(t) for p, t in times.items()}})
-    return {**shape, "rows": rows}
+    return {**shape, "numba": "tiles" if tiled else "loops", "other": other, "rows": rows}
 
 
 def _mlp_shape(resolved: ResolvedModel) -> tuple[int, int]:
@@ -737,15 +763,21 @@ def _kernel_lines(kernels: dict | None, bandwidth: float) -> list[str]:
         f"## Matrix kernels at small M ([M, {inner}] x [{inner}, {out}], {kernels['weight_bytes'] / 1e6:.0f} MB of "
         f"weight; its stream floor {floor_ms:.2f} ms)",
         "",
-        "| M | " + " | ".join(f"{k} ms" for k in KERNELS) + " | best / floor |",
-        "|---" * (len(KERNELS) + 2) + "|",
+    ]
+    other = next((k for k in OTHER_NUMBA if k in kernels["rows"][0]), None)
+    names = (*KERNELS, other) if other else KERNELS
+    ratio = [f"numba / {other}"] if other else []
+    lines += [
+        "| M | " + " | ".join([*(f"{k} ms" for k in names), "best / floor", *ratio]) + " |",
+        "|---" * (len(names) + 2 + len(ratio)) + "|",
     ]
     for row in kernels["rows"]:
-        timed = [row[k] for k in KERNELS if isinstance(row[k], float)]
+        timed = [row[k] for k in names if isinstance(row[k], float)]
         best = f"{min(timed) / floor_ms:.2f}x" if timed else "-"
-        lines.append(f"| {row['m']} | " + " | ".join(_kernel_ms(row[k]) for k in KERNELS) + f" | {best} |")
+        against = [_x(row["numba"] / row[other])] if other and isinstance(row["numba"], float) else ["-"] * len(ratio)
+        lines.append(f"| {row['m']} | " + " | ".join([*(_kernel_ms(row[k]) for k in names), best, *against]) + " |")
     compiles = [f"{s:.1f}" for s in kernels["compile_s"].values() if s is not None]
-    notes = sorted({row[k] for row in kernels["rows"] for k in KERNELS if isinstance(row[k], str)})
+    notes = sorted({row[k] for row in kernels["rows"] for k in names if isinstance(row[k], str)})
     lines += (
         [""] + ([f"inductor compile per M: {', '.join(compiles)} s (not in the times)."] if compiles else []) + notes
     )
@@ -761,11 +793,30 @@ def _attention_kernel_lines(kernels: dict | None) -> list[str]:
     )
     if "skipped" in kernels:
         return ["", title, "", f"Skipped: {kernels['skipped']}."]
-    lines = ["", title, "", "| cached keys | step | numba ms | rows ms | numba / rows |", "|---|---|---|---|---|"]
+    other = kernels.get("other")
+    if other is None:
+        lines = ["", title, "", "| cached keys | step | numba ms | rows ms | numba / rows |", "|---|---|---|---|---|"]
+        for row in kernels["rows"]:
+            lines.append(
+                f"| {row['cached']} | {row['step']} | {row['numba']:.3f} | {row['rows']:.3f} | "
+                f"{_x(row['numba'] / row['rows'])} |"
+            )
+        return lines
+    numba = f"numba ({kernels['numba']})"
+    lines = [
+        "",
+        title.replace("the two taken", "all taken"),
+        "",
+        f"The kernel takes heads of {kernels['head_dim']} through its attention {kernels['numba']} here; the "
+        f"{other} are the same kernel with the other choice (attend's tiles), which this CPU can also run.",
+        "",
+        f"| cached keys | step | {numba} ms | {other} ms | rows ms | numba / rows | numba / {other} |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in kernels["rows"]:
         lines.append(
-            f"| {row['cached']} | {row['step']} | {row['numba']:.3f} | {row['rows']:.3f} | "
-            f"{_x(row['numba'] / row['rows'])} |"
+            f"| {row['cached']} | {row['step']} | {row['numba']:.3f} | {row[other]:.3f} | {row['rows']:.3f} | "
+            f"{_x(row['numba'] / row['rows'])} | {_x(row['numba'] / row[other])} |"
         )
     return lines
 

@@ -69,7 +69,7 @@ slot in place. A task scores each visible key against the G query
 heads that share the KV head while the key is in cache, takes a softmax per query
 head, and sums the values the same way, prefetching keys and values 16 keys
 ahead. On AVX-512 CPUs other than Zen 4, heads of 64, 128 or 256 values go
-through two tiles written in IR instead (_TILED_ATTENTION): six queries by four
+through two tiles written in IR instead (TILED_ATTENTION): six queries by four
 keys of dot products ending in one shuffle tree, and six queries' weighted sums
 over 64 columns held in registers, a key a step. On a CPU this replaces one scaled-dot-product call per row and layer
 (about 0.1 ms each, whatever the row's size) with a few microseconds of
@@ -226,8 +226,13 @@ _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of o
 # the value tiles 0.92-0.97x with 32). 28 layers' attention (12 heads, 2 KV heads of 128) at 2,000 cached keys a
 # row, in turn with the loops of dot_4x2 and _four_values on a 2-core Xeon: 8 x 5 0.65x the time, 8 x 1 0.86x, 1 x 5
 # 0.67x, 1 x 1 0.73x; at 200 keys 8 x 5 0.69x, 16 x 5 0.70x. Whole forwards of the real 1.5B at 2,000 keys: 8 x 5
-# 0.90x, 8 x 1 and 1 x 5 0.97x (docs/engine-cpu.md). Other heads, Zen 4 and AVX2 keep the loops.
-_TILED_ATTENTION = _AVX512 and not _ZEN_AVX512
+# 0.90x, 8 x 1 and 1 x 5 0.97x (docs/engine-cpu.md). Other heads, Zen 4 and AVX2 keep the loops. attend takes
+# the choice as an argument, so that tests check both on every AVX-512 CPU and `specedge-bench engine` times both
+# in turn (its one-layer attention table): on Zen 4 the tiles are untimed.
+TILED_ATTENTION = _AVX512 and not _ZEN_AVX512
+# The panels and the attention tiles are AVX-512 IR: they run on every AVX-512 CPU (PanelLinear, attend's tiles),
+# and are the defaults where they were timed faster (PANELS, TILED_ATTENTION).
+AVX512 = _AVX512
 _SCORE_QUERIES = 6
 _VALUE_ROWS = 6
 _SCORE_KEYS = 16  # one head's 8 KB at D = 128, float32
@@ -1128,17 +1133,21 @@ def _panel_tile(x, x_at, m0, rows, panels, p, span, y, column, prefetching):
 
 
 def warm_up_attention() -> None:
-    for head_dim in (4, PANEL):  # the loops, and the tiles where they run
-        _check_attention(lambda cache: cache, head_dim)
+    _check_attentions(lambda cache: cache)
 
 
 def warm_up_attention_bfloat16() -> None:
     # The cache as bfloat16 bits: its values are exact in bfloat16, the top 16 bits of their float32.
-    for head_dim in (4, PANEL):
-        _check_attention(lambda cache: (cache.view(np.uint32) >> 16).astype(np.uint16).view(np.int16), head_dim)
+    _check_attentions(lambda cache: (cache.view(np.uint32) >> 16).astype(np.uint16).view(np.int16))
 
 
-def _check_attention(as_cache, head_dim) -> None:
+def _check_attentions(as_cache) -> None:
+    """The loops at a narrow head and a wide one, and the tiles wherever they run (AVX512), default or not."""
+    for head_dim, tiles in ((4, False), (PANEL, False), *(((PANEL, True),) if AVX512 else ())):
+        _check_attention(as_cache, head_dim, tiles)
+
+
+def _check_attention(as_cache, head_dim, tiles) -> None:
     """Equal scores: token 0 averages keys 0-2, token 1 keys 0-3, with the cache as as_cache(float32 values)."""
     q = np.zeros((2, 2, head_dim), np.float32)  # two tokens of a chain, two heads sharing one KV head
     keys = np.zeros((1, 4, 1, head_dim), np.float32)
@@ -1146,7 +1155,7 @@ def _check_attention(as_cache, head_dim) -> None:
     out = np.empty_like(q)
     one = np.ones(1, np.int64)
     rows = (np.zeros(1, np.int64), 2 * one, np.zeros(1, np.int64), 2 * one, -one, np.ones(0, np.bool_))
-    attend(q, as_cache(keys), as_cache(values), *rows, 1, out)
+    attend(q, as_cache(keys), as_cache(values), *rows, 1, tiles, out)
     expected = np.stack([values[0, :3, 0].mean(0), values[0, :4, 0].mean(0)])[:, None].repeat(2, 1)
     if not np.allclose(out, expected):
         raise RuntimeError(f"the compiled attention is wrong: {out}")
@@ -1163,12 +1172,14 @@ def task_heads(num_rows: int, num_kv_heads: int) -> int:
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, task_heads, out):
+def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, task_heads, tiles, out):
     """out[starts[r] + t, h] = softmax(q . keys / sqrt(D)) . values over the keys row r's token t sees.
 
     q, out [N, H, D]; k_cache, v_cache [num_slots, max_len, KVH, D] (C-contiguous); per row r: starts,
     num_new, slots, num_cached, tree_offsets (NO_TREE, or where its [num_new, num_new] ancestor mask
-    begins in tree_masks); task_heads: the KV heads a task takes (task_heads() of the step).
+    begins in tree_masks); task_heads: the KV heads a task takes (task_heads() of the step); tiles: heads of a
+    multiple of PANEL values through the tiles (TILED_ATTENTION where they are faster; AVX512 only), else the
+    loops.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
@@ -1183,17 +1194,17 @@ def attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets
         chunk = max(1, min(_CHUNK_TOKENS, _CHUNK_SCORES // (heads * group * (cached + new))))
         for first in range(0, new, chunk):
             end = min(first + chunk, new)
-            place = (slot, cached, first_head, heads)
+            place = (slot, cached, first_head, heads, tiles)
             _attend_chunk(q, k_cache, v_cache, starts[r], (first, end, new), place, tree, tree_masks, scale, out)
 
 
 @njit(inline="always", fastmath=_FAST)
 def _attend_chunk(q, k_cache, v_cache, start, tokens, place, tree, tree_masks, scale, out):
     """attend for tokens (first, end, new) of one row (its queries from q[start + first]) and KV heads
-    first_head .. first_head + heads - 1: place = (slot, cached, first_head, heads). The chunk's keys end at its
-    last token's own."""
+    first_head .. first_head + heads - 1, through the tiles or not: place = (slot, cached, first_head, heads,
+    tiles). The chunk's keys end at its last token's own."""
     first, end, new = tokens
-    slot, cached, first_head, heads = place
+    slot, cached, first_head, heads, tiles = place
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     num_queries, num_keys = (end - first) * group, cached + end
@@ -1206,7 +1217,7 @@ def _attend_chunk(q, k_cache, v_cache, start, tokens, place, tree, tree_masks, s
             for d in range(head_dim):
                 queries[h, i, d] = q[token, head, d] * scale
     scores = np.empty((heads, num_queries, num_keys), np.float32)
-    tiled = _TILED_ATTENTION and head_dim % PANEL == 0
+    tiled = tiles and head_dim % PANEL == 0
     if tiled:
         _tiled_scores(queries, k_cache, slot, first_head, num_keys, scores)
     else:
@@ -1458,7 +1469,7 @@ def _prefetch_row(typingctx, rows, row):
 
 @njit(fastmath=_FAST)
 def _tiled_scores(queries, k_cache, slot, first_head, num_keys, scores):
-    """_scores through the score tiles (_TILED_ATTENTION): _SCORE_KEYS keys at a time, a block's heads one after
+    """_scores through the score tiles (attend's tiles): _SCORE_KEYS keys at a time, a block's heads one after
     the other, each head's queries _SCORE_QUERIES a tile."""
     heads, num_queries = queries.shape[0], queries.shape[1]
     max_len, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -1475,7 +1486,7 @@ def _tiled_scores(queries, k_cache, slot, first_head, num_keys, scores):
 
 @njit(fastmath=_FAST)
 def _tiled_values(weights, v_cache, slot, first_head, num_keys, sums):
-    """_weighted_values through the value tiles (_TILED_ATTENTION): _VALUE_KEYS keys at a time, a block's heads
+    """_weighted_values through the value tiles (attend's tiles): _VALUE_KEYS keys at a time, a block's heads
     one after the other, each head's PANEL columns at a time and its queries _VALUE_ROWS a tile."""
     heads, num_queries = weights.shape[0], weights.shape[1]
     max_len, num_kv_heads, head_dim = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
@@ -1893,7 +1904,8 @@ def decoder_layer(
     q = _lined_rows(num, num_heads * head_dim).reshape((num, num_heads, head_dim))
     _positions(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, kv_slots, kv_positions, q)
     attended = _lined_rows(num, num_heads * head_dim).reshape((num, num_heads, head_dim))
-    attend(q, k_cache, v_cache, starts, num_new, slots, num_cached, tree_offsets, tree_masks, task_heads, attended)
+    rows = (starts, num_new, slots, num_cached, tree_offsets, tree_masks)
+    attend(q, k_cache, v_cache, *rows, task_heads, TILED_ATTENTION, attended)
     projected = np.empty_like(x)
     _product(attended.reshape((num, num_heads * head_dim)), o_weight, projected)
     _add(x, projected)

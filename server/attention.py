@@ -564,9 +564,11 @@ def row_attention(
     num_keys: tuple[int, ...],
     row_masks: tuple[torch.Tensor | None, ...],
     compiled: CompiledRows | None = None,
+    tiles: bool | None = None,
 ) -> torch.Tensor:  # [N, H, D]
     """Each row's attention over a view of its own slot: the `compiled` rows in one numba call, the others
-    one call per row."""
+    one call per row. `tiles` chooses the kernel's attention tiles or its loops (AVX-512 only; None: the
+    kernel's TILED_ATTENTION), for tests and `specedge-bench engine`, which check and time both."""
     out = torch.empty_like(q)
     rows: Sequence[int] = range(len(slots))
     if compiled is not None:
@@ -588,6 +590,7 @@ def row_attention(
                 compiled.tree_offsets,
                 compiled.tree_masks,
                 kernel.task_heads(len(compiled.slots), k_cache.shape[2]),
+                kernel.TILED_ATTENTION if tiles is None else tiles,
                 sums.numpy(),
             )
             if sums is not out:

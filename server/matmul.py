@@ -102,15 +102,15 @@ def layout_rows(dtype: torch.dtype) -> int:
 
 
 class PanelLinear(nn.Module):
-    """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32 on AVX-512 CPUs
-    other than Zen 4):
-    the numba kernel's panel product, for any number of rows. Each value of y is one sum over K in order, so a
-    row's bits do not depend on the rows beside it."""
+    """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32; the numba path's
+    projection on AVX-512 CPUs other than Zen 4, and built on any AVX-512 CPU for tests and `specedge-bench
+    engine`): the numba kernel's panel product, for any number of rows. Each value of y is one sum over K in
+    order, so a row's bits do not depend on the rows beside it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        compiled = numba_kernel()
-        assert compiled is not None and compiled.PANELS, "PanelLinear is built only where panels compiled"
+        compiled = panel_kernel()
+        assert compiled is not None, "PanelLinear is built only where the panels compiled"
         self.out_features, self.in_features = weight.shape
         # Plain attributes, not parameters: the model's state dict keeps its own names for these weights.
         self.panels = pack_panels(weight.detach(), int(compiled.PANEL))  # [panels, in, PANEL]
@@ -201,6 +201,16 @@ class PlainLinear(nn.Module):
 def numba_kernel() -> ModuleType | None:
     """server/_forward_numba.py compiled, or None where numba is missing or fails to compile."""
     return load_kernel("_forward_numba", "matrix products take another path", "warm_up_matmul")
+
+
+@functools.cache
+def panel_kernel() -> ModuleType | None:
+    """server/_forward_numba.py with its panel product compiled and checked, or None where it cannot run: no
+    AVX-512, or no kernel. warm_up_matmul checks the panels only where they are the default (PANELS)."""
+    compiled = numba_kernel()
+    if compiled is None or not compiled.AVX512:
+        return None
+    return load_kernel("_forward_numba", "the panel product cannot run", "warm_up_panels")
 
 
 def numba_max_rows(dtype: torch.dtype = torch.float32) -> int:

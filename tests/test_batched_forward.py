@@ -334,17 +334,29 @@ def _wide_head_step(head_dim: int, generator: torch.Generator):
     return q, k_cache, v_cache, cu, (4, 0, 2, 1, 3), num_keys, masks
 
 
+def _tiles_or_skip(tiles: bool) -> bool:
+    """attend's choice of the attention tiles (True) or loops (False); the tiles run on AVX-512 only."""
+    kernel = attention.numba_kernel()
+    assert kernel is not None
+    if tiles and not kernel.AVX512:
+        pytest.skip("the attention tiles are AVX-512 IR")
+    return tiles
+
+
+@pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_numba_attention_over_wide_heads_gives_what_exact_attention_gives(head_dim):
-    """Heads of 64 and 128 values, which AVX-512 CPUs attend through the score and value tiles (the loops
-    elsewhere): every row within float32 rounding of the row loop in float64, in a step of five rows and alone."""
+def test_numba_attention_over_wide_heads_gives_what_exact_attention_gives(head_dim, tiles):
+    """Heads of 64 and 128 values, through the score and value tiles (AVX-512 CPUs but Zen 4 by default) and
+    through the loops (the others): every row within float32 rounding of the row loop in float64, in a step of
+    five rows and alone."""
     from specedge.server import tree
     from specedge.server.attention import compiled_rows, row_attention
 
+    tiles = _tiles_or_skip(tiles)
     q, k_cache, v_cache, cu, slots, num_keys, masks = _wide_head_step(head_dim, torch.Generator().manual_seed(3))
     layout = compiled_rows(cu, slots, num_keys, masks)
     assert layout.others == ()
-    got = row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout)
+    got = row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout, tiles)
 
     def full_mask(row: int) -> torch.Tensor:  # [new, cached + new]
         new = cu[row + 1] - cu[row]
@@ -357,22 +369,22 @@ def test_numba_attention_over_wide_heads_gives_what_exact_attention_gives(head_d
     for row in range(len(slots)):  # alone, a KV head a task: the same code for every query, so the same bits
         one = ((0, cu[row + 1] - cu[row]), (slots[row],), (num_keys[row],), (masks[row],))
         tokens = slice(cu[row], cu[row + 1])
-        assert torch.equal(row_attention(q[tokens], k_cache, v_cache, *one, compiled_rows(*one)), got[tokens])
+        assert torch.equal(row_attention(q[tokens], k_cache, v_cache, *one, compiled_rows(*one), tiles), got[tokens])
 
 
-@pytest.mark.parametrize("head_dim", [16, 128])
-def test_a_tokens_attention_has_the_same_bits_whatever_follows_it_in_its_row(head_dim):
+@pytest.mark.parametrize(("head_dim", "tiles"), [(16, False), (128, False), (128, True)])
+def test_a_tokens_attention_has_the_same_bits_whatever_follows_it_in_its_row(head_dim, tiles):
     """A verify round's first k tokens give the same bits whether the round holds k tokens or all of them, so a
-    token's attention does not depend on its round's length (heads of 16 through the loops, 128 through the tiles
-    on AVX-512)."""
+    token's attention does not depend on its round's length (heads of 16 through the loops, 128 through either)."""
     from specedge.server.attention import compiled_rows, row_attention
 
+    tiles = _tiles_or_skip(tiles)
     q, k_cache, v_cache, *_ = _wide_head_step(head_dim, torch.Generator().manual_seed(4))
     cached, slot = 200, 1
 
     def first(k: int) -> torch.Tensor:
         layout = compiled_rows((0, k), (slot,), (cached + k,), (None,))
-        return row_attention(q[:k], k_cache, v_cache, (0, k), (slot,), (cached + k,), (None,), layout)
+        return row_attention(q[:k], k_cache, v_cache, (0, k), (slot,), (cached + k,), (None,), layout, tiles)
 
     whole = first(NUMBA_MAX_NEW)
     for k in (1, 2, 5, 7):

@@ -11,6 +11,7 @@ import torch
 
 from specedge.bench import cli
 from specedge.bench.engine import ATTENTION_STEPS, DEFAULT_STEPS, PATHS, CostModel, Step, _below_roofline_lines
+from specedge.server.matmul import numba_kernel
 from specedge.server.model import ModelArgs
 
 # Qwen2.5-Coder-1.5B's shape: 1.54 B matrix-weight parameters, the LM head tied to the embedding.
@@ -135,7 +136,15 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         "numba/roofline | fastest vs eager |"
     )
     assert header in table
-    assert "| M | eager ms | onednn@1 ms | onednn@16 ms | inductor ms | numba ms | best / floor |" in table
+    kernel = numba_kernel()
+    if kernel.AVX512:  # float32 on AVX-512: the numba product the path does not run, beside the one it does
+        other = "numba plain" if kernel.PANELS else "numba panels"
+        assert kernels[other] > 0
+        columns = f"| M | eager ms | onednn@1 ms | onednn@16 ms | inductor ms | numba ms | {other} ms | best / floor |"
+        assert f"{columns} numba / {other} |" in table
+        assert f"| {kernels['numba'] / kernels[other]:.2f}x |" in table
+    else:
+        assert "| M | eager ms | onednn@1 ms | onednn@16 ms | inductor ms | numba ms | best / floor |" in table
     # The stream is the faster of two reads of the same tensor, both reported.
     stream = results["limits"]["stream"]
     assert set(stream["readers"]) == {"torch sum", "numba product, M=1"} and stream["by"] in stream["readers"]
@@ -153,7 +162,16 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     layer = results["limits"]["attention"]
     assert [(row["cached"], row["step"]) for row in layer["rows"]] == [(8, name) for name in ATTENTION_STEPS]
     assert all(row["numba"] > 0 and row["rows"] > 0 for row in layer["rows"]), layer
-    assert "| cached keys | step | numba ms | rows ms | numba / rows |" in table
+    if kernel.AVX512:  # the same kernel through the attention tiles or loops it does not take by default
+        default, other = ("tiles", "loops") if kernel.TILED_ATTENTION else ("loops", "tiles")
+        assert (layer["numba"], layer["other"]) == (default, other) and all(row[other] > 0 for row in layer["rows"])
+        assert (
+            f"| cached keys | step | numba ({default}) ms | {other} ms | rows ms | numba / rows | numba / {other} |"
+            in table
+        )
+    else:
+        assert layer["other"] is None
+        assert "| cached keys | step | numba ms | rows ms | numba / rows |" in table
     assert "| 8 | 8x5 |" in table
     assert "| step | eager: numba ms | rows ms | ratio | onednn: numba ms | rows ms | ratio |" in table
     assert "| step | numba: compiled ms | modules ms | ratio |" in table
