@@ -223,11 +223,16 @@ def _times_ms(fn: Callable[[], object], repeats: int, before: Callable[[], objec
     return times
 
 
-def _in_turn_ms(calls: Mapping[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """`repeats` timings of each call, the calls taken in turn so that drift hits all alike (one untimed round)."""
+def _in_turn_ms(
+    calls: Mapping[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
+) -> dict[str, list[float]]:
+    """`repeats` timings of each call, the calls taken in turn so that drift hits all alike (one untimed round);
+    `before` runs untimed ahead of each call."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     for repeat in range(repeats + 1):
         for name, call in calls.items():
+            if before is not None:
+                before()
             start = time.perf_counter()
             call()
             if repeat:
@@ -319,7 +324,8 @@ def _peak_product(gemm: dict, dtype: torch.dtype) -> tuple[Callable[[], object],
 
 
 def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
-    """ms of y = x W^T at each small M on eager, oneDNN-packed (for 1 row, and for 16) and inductor-frozen kernels.
+    """ms of y = x W^T at each small M on eager, oneDNN-packed (for 1 row, and for 16), inductor-frozen and numba
+    kernels (the numba path's product and, in float32 on AVX-512, the one it does not run, taken in turn).
 
     Inductor compiles the product as it would inside the model under freezing (its own packed weight, one
     compile per M, none counted in the times); a kernel that cannot run here says why instead. Each timed call
@@ -332,9 +338,15 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     why_not = onednn_unavailable(torch.device("cpu"), dtype)
     kernels["onednn@1"] = why_not or PackedLinear(linear.weight, None, rows=1)
     kernels["onednn@16"] = why_not or PackedLinear(linear.weight, None, rows=16)
-    kernels["numba"] = numba_unavailable(torch.device("cpu"), dtype) or numba_projection(dtype)(linear.weight, None)
-    if other := _other_numba_product(dtype):
-        kernels[other[0]] = other[1](linear.weight, None)
+    # The numba path's product, and the one it does not run where that runs too, are taken in turn: their ratio
+    # says which this machine should run. The others one after the other.
+    paired: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    if no_numba := numba_unavailable(torch.device("cpu"), dtype):
+        kernels["numba"] = no_numba
+    else:
+        paired["numba"] = numba_projection(dtype)(linear.weight, None)
+        if other := _other_numba_product(dtype):
+            paired[other[0]] = other[1](linear.weight, None)
     rows, compile_s = [], {}
     with torch.inference_mode():
         for m in ms:
@@ -346,6 +358,8 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
                     if isinstance(kernel, str)
                     else statistics.median(_times_ms(functools.partial(kernel, x), repeats, flush))
                 )
+            calls = {name: functools.partial(kernel, x) for name, kernel in paired.items()}
+            row |= {name: statistics.median(times) for name, times in _in_turn_ms(calls, repeats, flush).items()}
             row["inductor"], compile_s[m] = _inductor_frozen_ms(linear, x, repeats, flush)
             rows.append(row)
     return {
@@ -778,8 +792,12 @@ def _kernel_lines(kernels: dict | None, bandwidth: float) -> list[str]:
         lines.append(f"| {row['m']} | " + " | ".join([*(_kernel_ms(row[k]) for k in names), best, *against]) + " |")
     compiles = [f"{s:.1f}" for s in kernels["compile_s"].values() if s is not None]
     notes = sorted({row[k] for row in kernels["rows"] for k in names if isinstance(row[k], str)})
+    paired = [f"numba and {other} taken in turn, the others one after the other."] if other else []
     lines += (
-        [""] + ([f"inductor compile per M: {', '.join(compiles)} s (not in the times)."] if compiles else []) + notes
+        [""]
+        + paired
+        + ([f"inductor compile per M: {', '.join(compiles)} s (not in the times)."] if compiles else [])
+        + notes
     )
     return lines
 
