@@ -805,13 +805,13 @@ def _kernel_lines(kernels: dict | None, bandwidth: float) -> list[str]:
 def _attention_kernel_lines(kernels: dict | None) -> list[str]:
     if kernels is None:
         return []
+    other = kernels.get("other")
     title = (
         f"## One layer's attention ({kernels['heads']} query heads, {kernels['kv_heads']} KV heads of "
-        f"{kernels['head_dim']}; random values; the two taken in turn, median ms)"
+        f"{kernels['head_dim']}; random values; {'all' if other else 'the two'} taken in turn, median ms)"
     )
     if "skipped" in kernels:
         return ["", title, "", f"Skipped: {kernels['skipped']}."]
-    other = kernels.get("other")
     if other is None:
         lines = ["", title, "", "| cached keys | step | numba ms | rows ms | numba / rows |", "|---|---|---|---|---|"]
         for row in kernels["rows"]:
@@ -823,7 +823,7 @@ def _attention_kernel_lines(kernels: dict | None) -> list[str]:
     numba = f"numba ({kernels['numba']})"
     lines = [
         "",
-        title.replace("the two taken", "all taken"),
+        title,
         "",
         f"The kernel takes heads of {kernels['head_dim']} through its attention {kernels['numba']} here; the "
         f"{other} are the same kernel with the other choice (attend's tiles), which this CPU can also run.",

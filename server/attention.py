@@ -576,6 +576,8 @@ def row_attention(
         if len(compiled.slots):
             kernel = numba_kernel()
             assert kernel is not None, "CompiledRows are built only where the kernel compiled"
+            if tiles and not kernel.AVX512:
+                raise ValueError("the attention tiles are AVX-512 code; this CPU runs the loops")
             kernel.set_threads(torch.get_num_threads())
             # bfloat16: the caches read in place as their int16 bits; queries and sums in float32 (a small copy).
             sums = out if q.dtype == torch.float32 else torch.empty_like(q, dtype=torch.float32)

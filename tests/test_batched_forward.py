@@ -372,6 +372,19 @@ def test_numba_attention_over_wide_heads_gives_what_exact_attention_gives(head_d
         assert torch.equal(row_attention(q[tokens], k_cache, v_cache, *one, compiled_rows(*one), tiles), got[tokens])
 
 
+def test_the_tiles_are_refused_on_a_cpu_without_avx512(monkeypatch):
+    """Asked for the attention tiles where they cannot run, row_attention says so before the kernel runs."""
+    from specedge.server.attention import compiled_rows, row_attention
+
+    q, k_cache, v_cache, cu, slots, num_keys, masks = _wide_head_step(128, torch.Generator().manual_seed(5))
+    layout = compiled_rows(cu, slots, num_keys, masks)
+    monkeypatch.setattr(attention.numba_kernel(), "AVX512", False)
+    with pytest.raises(ValueError, match="AVX-512"):
+        row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout, tiles=True)
+    loops = row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout, tiles=False)
+    assert torch.isfinite(loops).all()
+
+
 @pytest.mark.parametrize(("head_dim", "tiles"), [(16, False), (128, False), (128, True)])
 def test_a_tokens_attention_has_the_same_bits_whatever_follows_it_in_its_row(head_dim, tiles):
     """A verify round's first k tokens give the same bits whether the round holds k tokens or all of them, so a
