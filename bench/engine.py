@@ -675,8 +675,9 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
     if reason := numba_unavailable(torch.device("cpu"), dtype):
         return {**shape, "skipped": reason}
     kernel = numba_kernel()
-    tiled = kernel is not None and kernel.TILED_ATTENTION
-    other = ("loops" if tiled else "tiles") if kernel is not None and kernel.AVX512 else None
+    assert kernel is not None, "numba_unavailable said the kernel runs"
+    tiled = bool(kernel.TILED_ATTENTION)
+    other = ("loops" if tiled else "tiles") if kernel.AVX512 else None
     rows = []
     generator = torch.Generator().manual_seed(0)
     for cached in keys:
@@ -694,13 +695,13 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
             layout = compiled_rows(
                 cu, slots, (num_keys,) * step.rows, (None,) * step.rows, compiled_step=dtype == torch.float32
             )
+            on = (q, k, v, cu, slots, (num_keys,) * step.rows, masks)
             paths = {
-                "numba": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks, layout),
-                "rows": functools.partial(row_attention, q, k, v, cu, slots, (num_keys,) * step.rows, masks),
+                "numba": functools.partial(row_attention, *on, layout),
+                "rows": functools.partial(row_attention, *on),
             }
             if other is not None:
-                on = (q, k, v, cu, slots, (num_keys,) * step.rows, masks, layout)
-                paths[other] = functools.partial(row_attention, *on, tiles=not tiled)
+                paths[other] = functools.partial(row_attention, *on, layout, tiles=not tiled)
             times = _in_turn_ms(paths, repeats)
             rows.append({"step": name, "cached": cached, **{p: statistics.median(t) for p, t in times.items()}})
     return {**shape, "numba": "tiles" if tiled else "loops", "other": other, "rows": rows}
@@ -812,30 +813,22 @@ def _attention_kernel_lines(kernels: dict | None) -> list[str]:
     )
     if "skipped" in kernels:
         return ["", title, "", f"Skipped: {kernels['skipped']}."]
-    if other is None:
-        lines = ["", title, "", "| cached keys | step | numba ms | rows ms | numba / rows |", "|---|---|---|---|---|"]
-        for row in kernels["rows"]:
-            lines.append(
-                f"| {row['cached']} | {row['step']} | {row['numba']:.3f} | {row['rows']:.3f} | "
-                f"{_x(row['numba'] / row['rows'])} |"
-            )
-        return lines
-    numba = f"numba ({kernels['numba']})"
-    lines = [
-        "",
-        title,
-        "",
-        f"The kernel takes heads of {kernels['head_dim']} through its attention {kernels['numba']} here; the "
-        f"{other} are the same kernel with the other choice (attend's tiles), which this CPU can also run.",
-        "",
-        f"| cached keys | step | {numba} ms | {other} ms | rows ms | numba / rows | numba / {other} |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = ["", title, ""]
+    timed, against = ["numba", "rows"], ["rows"]  # ms columns, and what numba is divided by
+    if other is not None:
+        timed.insert(1, other)
+        against.append(other)
+        lines += [
+            f"The kernel takes heads of {kernels['head_dim']} through its attention {kernels['numba']} here; the "
+            f"{other} are the same kernel with the other choice (attend's tiles), which this CPU can also run.",
+            "",
+        ]
+    names = [f"numba ({kernels['numba']})" if other else "numba", *timed[1:]]
+    header = ["cached keys", "step", *(f"{n} ms" for n in names), *(f"numba / {a}" for a in against)]
+    lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for row in kernels["rows"]:
-        lines.append(
-            f"| {row['cached']} | {row['step']} | {row['numba']:.3f} | {row[other]:.3f} | {row['rows']:.3f} | "
-            f"{_x(row['numba'] / row['rows'])} | {_x(row['numba'] / row[other])} |"
-        )
+        cells = [f"{row[p]:.3f}" for p in timed] + [_x(row["numba"] / row[a]) for a in against]
+        lines.append(f"| {row['cached']} | {row['step']} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -210,6 +210,8 @@ def panel_kernel() -> ModuleType | None:
     compiled = numba_kernel()
     if compiled is None or not compiled.AVX512:
         return None
+    if compiled.PANELS:  # warm_up_matmul has checked them
+        return compiled
     return load_kernel("_forward_numba", "the panel product cannot run", "warm_up_panels")
 
 
