@@ -11,13 +11,13 @@ Measured one after the other in this process (CPU only):
    out for 1-row and for 16-row batches; the server packs for server/matmul.py's layout_rows()),
    inductor's compiled product with frozen weights (the alternative the packed path was chosen over), the
    numba path's product and, on AVX-512 CPUs in float32, the numba product it does not run (the plain kernel
-   where the panels run, the panels where they do not: Zen 4);
+   where the panels run, the panels where they do not: the server's choice at start, matmul.panels_here());
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1; where attention is compiled (numba,
    the CPU float32 default), each forward also on the row loop, and where layers are compiled (numba) also
    module by module, all taken in turn; and one layer's attention alone on both, at --attention-keys cached
-   keys a row, where AVX-512 lets the kernel take either also through the attention tiles or loops it does not
-   use by default;
+   keys a row, where AVX-512 lets the kernel take either also through the attention tiles or loops it did not
+   choose at start (attention.tiles_here());
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
 4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits
    (of a random context, flat and scaled to peaked, and of the shipped prompts' text);
@@ -53,6 +53,7 @@ from torch.nn import functional as F
 from specedge import noise
 from specedge.registry import ResolvedModel, resolve
 from specedge.server.draws import RowDraw, draw_rows
+from specedge.server.kernels import FLUSH_BYTES, in_turn_ms
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import (
     PackedLinear,
@@ -80,7 +81,6 @@ HOST_TEMPERATURE = 0.8
 HOST_PEAKED_SCALE = 20.0  # the host draws' peaked case: the sample's logits times this
 HOST_TEXT_TOKENS = 80  # the host draws' text case: the logits at this many positions of the prompts' text
 DRAFT_TOP = 20  # tokens in each draft distribution q sent with a sampled round
-CACHE_FLUSH_BYTES = 256 * 2**20  # read before each timed small-M product: its weight leaves the 32 MB L3 (EPYC)
 STREAM_COLUMNS = 1536  # the stream limit's table is [rows, this]: the numba reader's product is a weight's shape
 _STEP_NAME = re.compile(r"(?:(\d+)x(\d+))?(?:\+?p(\d+))?")
 
@@ -223,23 +223,6 @@ def _times_ms(fn: Callable[[], object], repeats: int, before: Callable[[], objec
     return times
 
 
-def _in_turn_ms(
-    calls: Mapping[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
-) -> dict[str, list[float]]:
-    """`repeats` timings of each call, the calls taken in turn so that drift hits all alike (one untimed round);
-    `before` runs untimed ahead of each call."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for repeat in range(repeats + 1):
-        for name, call in calls.items():
-            if before is not None:
-                before()
-            start = time.perf_counter()
-            call()
-            if repeat:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def _memory() -> dict:
     """Peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS) and, where /proc exists, the RSS now.
 
@@ -310,7 +293,7 @@ def _products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.
     if onednn_unavailable(torch.device("cpu"), weight.dtype) is None:
         paths["onednn"] = PackedLinear(weight, None)
     if numba_unavailable(torch.device("cpu"), weight.dtype) is None:
-        # Panels (float32 on AVX-512 but Zen 4) at every M; plain weights past numba_max_rows() run oneDNN's GEMM.
+        # Panels (float32 where panels_here()) at every M; plain weights past numba_max_rows() run oneDNN's GEMM.
         paths["numba"] = numba_projection(weight.dtype)(weight, None)
     return paths
 
@@ -333,7 +316,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     this size (55 MB for the 1.5B) otherwise stays partly in a 32 MB L3 from one call to the next.
     """
     linear = torch.nn.Linear(in_features, out_features, bias=False).to(dtype).eval()
-    flush = torch.ones(CACHE_FLUSH_BYTES // 4).sum
+    flush = torch.ones(FLUSH_BYTES // 4).sum  # before each call: its weight leaves the L3
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor] | str] = {"eager": linear}
     why_not = onednn_unavailable(torch.device("cpu"), dtype)
     kernels["onednn@1"] = why_not or PackedLinear(linear.weight, None, rows=1)
@@ -359,7 +342,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
                     else statistics.median(_times_ms(functools.partial(kernel, x), repeats, flush))
                 )
             calls = {name: functools.partial(kernel, x) for name, kernel in paired.items()}
-            row |= {name: statistics.median(times) for name, times in _in_turn_ms(calls, repeats, flush).items()}
+            row |= {name: statistics.median(times) for name, times in in_turn_ms(calls, repeats, flush).items()}
             row["inductor"], compile_s[m] = _inductor_frozen_ms(linear, x, repeats, flush)
             rows.append(row)
     return {
@@ -372,8 +355,8 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
 
 def _other_numba_product(dtype: torch.dtype) -> tuple[str, type[nn.Module]] | None:
     """The numba product the numba path does not run, where it can run here (float32 on an AVX-512 CPU): the
-    plain kernel where the panels are the default, the panels where the plain kernel is (Zen 4), so that every
-    such machine's run times both in turn."""
+    plain kernel where this process runs the panels (matmul.panels_here()), else the panels, so that every such
+    machine's run times both in turn."""
     if dtype != torch.float32 or numba_unavailable(torch.device("cpu"), dtype) or panel_kernel() is None:
         return None
     return ("numba plain", PlainLinear) if numba_projection(dtype) is PanelLinear else ("numba panels", PanelLinear)
@@ -457,7 +440,7 @@ def time_path(
         forward = functools.partial(runner.forward_packed, step.requests(config.prefix, token_ids))
         try:
             calls = {name: on(setting, forward) for name, setting in settings.items()}
-            timed = _in_turn_ms({**calls, **readers, "gemm": peak_product[0]}, config.repeats)
+            timed = in_turn_ms({**calls, **readers, "gemm": peak_product[0]}, config.repeats)
         finally:
             model.attention, model.compiled_layers = attention, layers
         results[step.name] = {
@@ -542,7 +525,7 @@ def host_draws(samples: Mapping[str, torch.Tensor], config: EngineBenchConfig) -
         calls: dict[str, Callable[[], object]] = {"read": functools.partial(torch.amax, logits, dim=-1)}
         calls |= {kind: functools.partial(draw_rows, logits, rows) for kind, rows in _host_rows(logits, config).items()}
         times: dict[str, object] = {"fraction_within_race_bound": within_reach.float().mean().item()}
-        for kind, runs in _in_turn_ms(calls, config.repeats).items():
+        for kind, runs in in_turn_ms(calls, config.repeats).items():
             times[kind] = {"ms": statistics.median(runs), "times_ms": runs}
         if case == "text":  # how deep the chains' walks went: drafts accepted per chain
             drawn = draw_rows(logits, _host_rows(logits, config)["rejection"])
@@ -666,9 +649,9 @@ ATTENTION_STEPS = ("1x1", "8x1", "1x5", "8x5", "16x5")  # rows x new tokens of o
 def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
     """One layer's attention at the target's head shape, for each step of ATTENTION_STEPS on `keys` cached keys
     a row (random values): the numba kernel against the row loop's SDPA calls and, on AVX-512 CPUs, against the
-    kernel through the attention tiles or loops it does not take by default ("other"), all taken in turn; ms
-    (medians)."""
-    from specedge.server.attention import compiled_rows, numba_kernel, numba_unavailable, row_attention
+    kernel through the attention tiles or loops this process does not take (attention.tiles_here(); "other"),
+    all taken in turn; ms (medians)."""
+    from specedge.server.attention import compiled_rows, numba_kernel, numba_unavailable, row_attention, tiles_here
     from specedge.server.tree import ancestor_mask
 
     shape = {"heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
@@ -676,7 +659,7 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
         return {**shape, "skipped": reason}
     kernel = numba_kernel()
     assert kernel is not None, "numba_unavailable said the kernel runs"
-    tiled = bool(kernel.TILED_ATTENTION)
+    tiled = tiles_here()
     other = ("loops" if tiled else "tiles") if kernel.AVX512 else None
     rows = []
     generator = torch.Generator().manual_seed(0)
@@ -693,7 +676,12 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
             masks = (None if new == 1 else mask,) * step.rows
             # as a step the compiled layers take (float32) lays its rows out: every row in the kernel
             layout = compiled_rows(
-                cu, slots, (num_keys,) * step.rows, (None,) * step.rows, compiled_step=dtype == torch.float32
+                cu,
+                slots,
+                (num_keys,) * step.rows,
+                (None,) * step.rows,
+                compiled_step=dtype == torch.float32,
+                tiles=tiled,
             )
             on = (q, k, v, cu, slots, (num_keys,) * step.rows, masks)
             paths = {
@@ -701,8 +689,8 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
                 "rows": functools.partial(row_attention, *on),
             }
             if other is not None:
-                paths[other] = functools.partial(row_attention, *on, layout, tiles=not tiled)
-            times = _in_turn_ms(paths, repeats)
+                paths[other] = functools.partial(row_attention, *on, dataclasses.replace(layout, tiles=not tiled))
+            times = in_turn_ms(paths, repeats)
             rows.append({"step": name, "cached": cached, **{p: statistics.median(t) for p, t in times.items()}})
     return {**shape, "numba": "tiles" if tiled else "loops", "other": other, "rows": rows}
 

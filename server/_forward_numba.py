@@ -230,8 +230,10 @@ _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of o
 # the choice as an argument, so that tests check both on every AVX-512 CPU and `specedge-bench engine` times both
 # in turn (its one-layer attention table): on Zen 4 the tiles are untimed.
 TILED_ATTENTION = _AVX512 and not _ZEN_AVX512
-# The panels and the attention tiles are AVX-512 IR: they run on every AVX-512 CPU (PanelLinear, attend's tiles),
-# and are the defaults where they were timed faster (PANELS, TILED_ATTENTION).
+# The panels and the attention tiles are AVX-512 IR: they run on every AVX-512 CPU (PanelLinear, attend's and
+# decoder_layer's `tiles`), and are the defaults where they were timed faster (PANELS, TILED_ATTENTION). A server
+# times each against the other form at start and runs the other where it is clearly faster (server/matmul.py's
+# panels_here(), server/attention.py's tiles_here()).
 AVX512 = _AVX512
 _SCORE_QUERIES = 6
 _VALUE_ROWS = 6
@@ -248,7 +250,8 @@ _STRIPES = 64  # runs of blocks the chunked passes share among the threads
 # 40 0.72-0.75x; against oneDNN's GEMM at 120-512 rows 0.85-1.00x its time at K = 1536, 0.94-1.09x at K = 8960. Whole
 # forwards 8 x 5 0.86x, 16 x 5 0.85x, 8 x 1 0.93x, 1 x 1 and 1 x 5 0.98x, a 155-token prefill 0.99x, 512 tokens 1.02x
 # (docs/engine-cpu.md). bfloat16's products, and float32's on Zen 4 (untimed with panels, whose plain kernel was
-# tuned there) and on AVX2, run `matmul` over the plain weights.
+# tuned there) and on AVX2, run `matmul` over the plain weights: the default a server's timing at start keeps
+# unless the plain weights run clearly faster (or, on Zen 4, the panels do).
 PANELS = _AVX512 and not _ZEN_AVX512
 PANEL = 4 * _LANES  # a panel's columns: four vectors
 _PANEL_ROWS = 6  # x rows a panel tile takes: 6 x 4 sums, four w vectors and an x value in 32 registers
@@ -258,14 +261,15 @@ _PANEL_PACK_FROM = 3 * _PANEL_ROWS + 1  # x rows from which a block's rows are p
 _PANEL_X_BYTES = 1 << 20  # x values a walk over the weights takes at most: half of an AVX-512 Xeon's 2 MB L2
 
 
-def warm_up() -> None:
-    """Compile the three kernels, or load them from numba's cache, and check a known answer from each.
-    The layer calls the other two, so server/layer_kernel.py warms all three; the product and the
-    attention warm only their own (warm_up_matmul, warm_up_attention). Each is float32's: bfloat16's
-    products and attention compile only for a server that runs them (the *_bfloat16 warm-ups)."""
+def warm_up(panels: bool = PANELS) -> None:
+    """Compile the three kernels, or load them from numba's cache, and check a known answer from each, the
+    layer over weights as panels or as plain rows. The layer calls the other two, so server/layer_kernel.py
+    warms all three; the product and the attention warm only their own (warm_up_matmul, warm_up_attention).
+    Each is float32's: bfloat16's products and attention compile only for a server that runs them (the
+    *_bfloat16 warm-ups)."""
     warm_up_matmul()
     warm_up_attention()
-    warm_up_layer()
+    warm_up_layer(panels)
 
 
 def warm_up_matmul() -> None:
@@ -1719,14 +1723,14 @@ _value_1, _value_2, _value_4 = (_attention_tile(_value_tile_ir, lines) for lines
 # The decoder layer
 
 
-def warm_up_layer() -> None:
-    """The layer over zero weights in the layout this CPU's float32 projections take (panels where PANELS)."""
+def warm_up_layer(panels: bool = PANELS) -> None:
+    """The layer over zero weights as panels or as plain rows (the layout a server's float32 projections take)."""
     num, hidden, heads, head_dim, inner = 2, 8, 2, 4, 6
     x = np.arange(num * hidden, dtype=np.float32).reshape(num, hidden)
     zeros = np.zeros  # with zero weights the layer adds nothing, and each value is its bias
 
     def weights(out_features, in_features):
-        if PANELS:
+        if panels:
             return zeros(((out_features + PANEL - 1) // PANEL, in_features, PANEL), np.float32)
         return zeros((out_features, in_features), np.float32)
 
@@ -1756,6 +1760,7 @@ def warm_up_layer() -> None:
         zeros(0, np.bool_),
         1,
         heads,
+        TILED_ATTENTION,
     )
     if not np.array_equal(x, before) or not np.array_equal(caches[1][0, :num], np.ones((num, 1, head_dim))):
         raise RuntimeError(f"the compiled layer is wrong: {x}, {caches[1]}")
@@ -1883,12 +1888,13 @@ def decoder_layer(
     tree_masks,
     task_heads,
     num_heads,
+    tiles,
 ):
     """One layer over x [N, hidden] in place (x += attention(norm(x)); x += mlp(norm(x))).
 
     Weights as server/matmul.py's PanelLinear holds them ([panels, in, PANEL]) or PlainLinear ([out, in]), all
     four the same, q/k/v and gate/up fused; qkv_bias,
-    q_norm and k_norm may be empty (none). cos, sin [N, D]; the caches and the rows' arrays as
+    q_norm and k_norm may be empty (none). cos, sin [N, D]; the caches, the rows' arrays and `tiles` as
     attend takes them, every row of the step among them.
     """
     num, hidden = x.shape
@@ -1905,7 +1911,7 @@ def decoder_layer(
     _positions(qkv, q_norm, k_norm, eps, cos, sin, k_cache, v_cache, kv_slots, kv_positions, q)
     attended = _lined_rows(num, num_heads * head_dim).reshape((num, num_heads, head_dim))
     rows = (starts, num_new, slots, num_cached, tree_offsets, tree_masks)
-    attend(q, k_cache, v_cache, *rows, task_heads, TILED_ATTENTION, attended)
+    attend(q, k_cache, v_cache, *rows, task_heads, tiles, attended)
     projected = np.empty_like(x)
     _product(attended.reshape((num, num_heads * head_dim)), o_weight, projected)
     _add(x, projected)

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from specedge.server.kernels import kernel_array, load_kernel
+from specedge.server.kernels import kernel_array, load_kernel, timed_choice
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,44 @@ def numba_kernel() -> ModuleType | None:
     return load_kernel("_forward_numba", "attention runs one call per row", "warm_up_attention")
 
 
+TILES_TIMING_HEADS = (12, 2, 128)  # query heads, KV heads, head_dim: the 1.5B's
+TILES_TIMING_STEPS = ((8, 1), (8, 5))  # rows x new tokens: eight decode rows, eight verify rounds
+TILE_FORMS = ("tiles", "loops")
+TILES_TIMING_KEYS = 2000  # cached keys a row: 33 MB of keys and values at 8 rows, beyond the L3 once flushed
+
+
+@functools.cache
+def tiles_here() -> bool:
+    """Whether this process's numba attention takes heads of a multiple of PANEL values through the kernel's tiles
+    or its loops, where both can (AVX-512): the kernel's default (TILED_ATTENTION: the tiles, but on Zen 4, where
+    they are untimed) unless the other form took at most kernels.SWITCH its time at start, one layer at
+    TILES_TIMING_STEPS over TILES_TIMING_KEYS keys a row. On a 2-core Xeon the tiles took 0.56-0.82x the loops'
+    time at 200 and 2,000 keys (`specedge-bench engine`)."""
+    kernel = numba_kernel()
+    if kernel is None or not kernel.AVX512:
+        return False
+    num_heads, num_kv_heads, head_dim = TILES_TIMING_HEADS
+    cases = []
+    for num_rows, num_new in TILES_TIMING_STEPS:
+        num_keys = TILES_TIMING_KEYS + num_new
+        k, v = (torch.randn(num_rows, num_keys, num_kv_heads, head_dim) for _ in "kv")  # a slot a row
+        q = torch.randn(num_rows * num_new, num_heads, head_dim)
+        cu, slots = tuple(range(0, num_rows * num_new + 1, num_new)), tuple(range(num_rows))
+        keys, chains = (num_keys,) * num_rows, (None,) * num_rows
+        layouts = {
+            form: compiled_rows(cu, slots, keys, chains, compiled_step=True, tiles=form == "tiles")
+            for form in TILE_FORMS
+        }
+        cases.append(
+            {
+                form: functools.partial(row_attention, q, k, v, cu, slots, keys, chains, layouts[form])
+                for form in TILE_FORMS
+            }
+        )
+    default, other = TILE_FORMS if kernel.TILED_ATTENTION else TILE_FORMS[::-1]
+    return timed_choice("attention over heads of 64 values and more", default, other, cases) == "tiles"
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledRows:
     """The step's rows that the numba kernel takes, as its arrays; built once per step, shared by every layer."""
@@ -132,6 +170,7 @@ class CompiledRows:
     tree_offsets: np.ndarray  # [R] int64: where the row's [new, new] ancestor mask begins in tree_masks; -1: a chain
     tree_masks: np.ndarray  # [sum of trees' new**2] bool, row-major
     others: tuple[int, ...]  # the step's rows too long for the kernel: the row loop takes them
+    tiles: bool  # heads of a multiple of PANEL values through the kernel's tiles, else its loops (AVX-512 only)
 
 
 def compiled_rows(
@@ -141,10 +180,12 @@ def compiled_rows(
     tree_masks: Sequence[torch.Tensor | None],  # per row: its new tokens' [new, new] ancestor mask; None: a chain
     *,
     compiled_step: bool = False,
+    tiles: bool = False,
 ) -> CompiledRows:
     """The rows the numba kernel takes: those within NUMBA_MAX_NEW tokens and NUMBA_MAX_SCORES scores; in a step
     the compiled layers can take (`compiled_step`), every row of up to NUMBA_MAX_NEW tokens and longer ones over up
-    to NUMBA_MAX_ROW_KEYS keys, so that the whole step runs compiled and no token's bits depend on the rest of it."""
+    to NUMBA_MAX_ROW_KEYS keys, so that the whole step runs compiled and no token's bits depend on the rest of it.
+    `tiles`: the attention tiles or loops (a model's attention_tiles: tiles_here() at its load)."""
 
     def takes(new: int, keys: int) -> bool:
         if compiled_step:
@@ -169,6 +210,7 @@ def compiled_rows(
         tree_offsets=offsets,
         tree_masks=np.concatenate(masks) if masks else np.zeros(0, np.bool_),
         others=tuple(sorted(set(rows) - set(short))),
+        tiles=tiles,
     )
 
 
@@ -564,11 +606,9 @@ def row_attention(
     num_keys: tuple[int, ...],
     row_masks: tuple[torch.Tensor | None, ...],
     compiled: CompiledRows | None = None,
-    tiles: bool | None = None,
 ) -> torch.Tensor:  # [N, H, D]
-    """Each row's attention over a view of its own slot: the `compiled` rows in one numba call, the others
-    one call per row. `tiles` chooses the kernel's attention tiles or its loops (AVX-512 only; None: the
-    kernel's TILED_ATTENTION), for tests and `specedge-bench engine`, which check and time both."""
+    """Each row's attention over a view of its own slot: the `compiled` rows in one numba call (through the
+    kernel's tiles or its loops, as they say), the others one call per row."""
     out = torch.empty_like(q)
     rows: Sequence[int] = range(len(slots))
     if compiled is not None:
@@ -576,7 +616,7 @@ def row_attention(
         if len(compiled.slots):
             kernel = numba_kernel()
             assert kernel is not None, "CompiledRows are built only where the kernel compiled"
-            if tiles and not kernel.AVX512:
+            if compiled.tiles and not kernel.AVX512:
                 raise ValueError("the attention tiles are AVX-512 code; this CPU runs the loops")
             kernel.set_threads(torch.get_num_threads())
             # bfloat16: the caches read in place as their int16 bits; queries and sums in float32 (a small copy).
@@ -592,7 +632,7 @@ def row_attention(
                 compiled.tree_offsets,
                 compiled.tree_masks,
                 kernel.task_heads(len(compiled.slots), k_cache.shape[2]),
-                kernel.TILED_ATTENTION if tiles is None else tiles,
+                compiled.tiles,
                 sums.numpy(),
             )
             if sums is not out:

@@ -36,15 +36,18 @@ _NONE = np.zeros(0, np.float32)  # an absent bias or per-head norm
 
 
 @functools.cache
-def numba_kernel() -> ModuleType | None:
-    """server/_forward_numba.py compiled, or None where numba is missing or fails to compile."""
-    return load_kernel("_forward_numba", "layers run module by module")
+def numba_kernel(panels: bool) -> ModuleType | None:
+    """server/_forward_numba.py compiled with its layer over float32 projections as panels (PanelLinear) or plain
+    rows (PlainLinear), or None where numba is missing or fails to compile."""
+    return load_kernel("_forward_numba", "layers run module by module", "warm_up", panels)
 
 
 def compile_layers(model: CausalLM) -> None:
     """Give a model on the numba path its compiled layers, where the kernel compiles (else it keeps its modules)."""
-    if model.collectives is None and numba_kernel() is not None:
-        model.compiled_layers = CompiledLayers(model)
+    if model.collectives is None:
+        layers = CompiledLayers(model)
+        if numba_kernel(layers.panels) is not None:
+            model.compiled_layers = layers
 
 
 class CompiledLayers:
@@ -54,6 +57,7 @@ class CompiledLayers:
         args = model.args
         self.num_heads = model.partition.num_heads
         self.eps = np.float32(args.rms_norm_eps)
+        self.panels = isinstance(model.lm_head, PanelLinear)  # as every projection: plain_for_numba packs all alike
         self.layers = []
         for layer in model.model.decoder_layers():
             attn, mlp = layer.self_attn, layer.mlp
@@ -95,7 +99,7 @@ class CompiledLayers:
         v_caches: list[torch.Tensor],
         batch: StepBatch,
     ) -> None:
-        kernel = numba_kernel()
+        kernel = numba_kernel(self.panels)
         compiled = batch.compiled
         assert kernel is not None and compiled is not None, "CompiledLayers is built where the kernel compiled"
         kernel.set_threads(torch.get_num_threads())
@@ -128,6 +132,7 @@ class CompiledLayers:
                 *tree,
                 task_heads,
                 self.num_heads,
+                compiled.tiles,  # as the module path's attention takes them: a token's bits whatever its step
             )
 
 

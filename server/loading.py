@@ -23,9 +23,9 @@ import torch
 from filelock import FileLock
 
 from specedge.registry import ResolvedModel, default_cache_dir, file_cache_key
-from specedge.server.attention import resolve_attention
+from specedge.server.attention import resolve_attention, tiles_here
 from specedge.server.layer_kernel import compile_layers
-from specedge.server.matmul import prepare, resolve_matmul
+from specedge.server.matmul import panels_here, prepare, resolve_matmul
 from specedge.server.model import CausalLM, Collectives, ModelArgs, rope_frequencies
 from specedge.server.parallel import load_shard
 from specedge.tokens import TokenizerFingerprint, fingerprint_from_gguf, fingerprint_from_hf
@@ -66,11 +66,18 @@ def load_target(
     """
     cache_dir = cache_dir or default_cache_dir()
     kind = resolve_matmul(matmul, device, dtype)
+    attention = resolve_attention(attention, device, dtype)
+    # The kernel's forms on AVX-512 (panels or plain rows, tiles or loops) are timed now, before the weights load,
+    # so that the memory the timing takes is free again by then.
+    if kind == "numba" and dtype == torch.float32:
+        panels_here()  # prepare() packs what it chose
+    tiles = attention == "numba" and tiles_here()
     target = _load(resolved, device=device, dtype=dtype, cache_dir=cache_dir, collectives=collectives)
     prepare(target.model, kind)
     target.matmul = kind
-    target.model.attention = resolve_attention(attention, device, dtype)
-    if kind == "numba" and target.model.attention == "numba" and dtype == torch.float32:
+    target.model.attention = attention
+    target.model.attention_tiles = tiles
+    if kind == "numba" and attention == "numba" and dtype == torch.float32:
         compile_layers(target.model)  # whole layers in one call: the two kernels with their glue compiled
     return target
 

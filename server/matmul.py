@@ -2,7 +2,8 @@
 
 - `eager`: the model's own `nn.Linear` layers (MKL on CPU, cuBLAS on CUDA). The
   plain path, kept for comparison and wherever nothing faster applies.
-- `numba` (CPU, float32; bfloat16 when asked). On AVX-512 CPUs other than Zen 4,
+- `numba` (CPU, float32; bfloat16 when asked). On AVX-512 CPUs where the panels
+  ran faster at start (panels_here(): by default everywhere but on Zen 4),
   float32 weights are packed once, at load, into panels of 64 output columns
   (PanelLinear; the originals freed, a tied embedding reading the LM head's
   panels: PanelEmbedding), and every product, whatever its rows, runs the
@@ -62,7 +63,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from specedge.server.kernels import kernel_array, load_kernel
+from specedge.server.kernels import kernel_array, load_kernel, timed_choice
 
 if TYPE_CHECKING:
     from specedge.server.model import CausalLM
@@ -103,9 +104,9 @@ def layout_rows(dtype: torch.dtype) -> int:
 
 class PanelLinear(nn.Module):
     """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32; the numba path's
-    projection on AVX-512 CPUs other than Zen 4, and built on any AVX-512 CPU for tests and `specedge-bench
-    engine`): the numba kernel's panel product, for any number of rows. Each value of y is one sum over K in
-    order, so a row's bits do not depend on the rows beside it."""
+    projection where panels_here(), and built on any AVX-512 CPU for the timing at start, tests and
+    `specedge-bench engine`): the numba kernel's panel product, for any number of rows. Each value of y is one sum
+    over K in order, so a row's bits do not depend on the rows beside it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -311,7 +312,7 @@ def pack_for_onednn(model: CausalLM) -> None:
 @torch.no_grad()
 def plain_for_numba(model: CausalLM) -> None:
     """Replace every projection of a CausalLM (server/model.py) by its fused form for the numba kernel, in place:
-    float32 on AVX-512 CPUs other than Zen 4 packed into panels (PanelLinear; a tied embedding then reads the head's
+    float32 packed into panels where this process runs them (panels_here(); a tied embedding then reads the head's
     panels), else plain (PlainLinear)."""
     _own_memory(model)  # first: the plain forms keep these tensors (a tied head, the embedding's), not copies
     table = model.model.table()
@@ -322,10 +323,49 @@ def plain_for_numba(model: CausalLM) -> None:
 
 
 def numba_projection(dtype: torch.dtype) -> Projection:
-    """The numba path's projection for weights of this dtype: PanelLinear for float32 where the kernel has panels
-    (AVX-512 CPUs other than Zen 4: its PANELS), else PlainLinear."""
-    compiled = numba_kernel()
-    return PanelLinear if dtype == torch.float32 and compiled is not None and compiled.PANELS else PlainLinear
+    """The numba path's projection for weights of this dtype: PanelLinear for float32 where this process runs the
+    panels (panels_here()), else PlainLinear."""
+    return PanelLinear if dtype == torch.float32 and panels_here() else PlainLinear
+
+
+# One decoder layer's products of the 1.5B ([out, in]: q/k/v, o, gate/up, down; 187 MB), in order, as a forward runs
+# them: one product alone, just after a flush, ran the panels at M = 1-8 0.90-1.07x the plain kernel's time from one
+# timing to the next on a 2-core Xeon, where a layer's four read 0.95-0.99x at M = 1, 0.79-0.87x at M = 8 and
+# 0.78-0.82x at M = 40, run after run, as whole forwards do.
+PANEL_TIMING_LAYER = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
+PANEL_TIMING_ROWS = (1, 8, 40)  # one decode row, eight, eight verify rounds of four drafts and a bonus token
+
+
+@functools.cache
+def panels_here() -> bool:
+    """Whether this process's float32 projections run as panels (PanelLinear) or as plain rows (PlainLinear),
+    where both can (AVX-512): the kernel's default (PANELS: the panels, but on Zen 4, whose plain kernel was tuned
+    there and where the panels are untimed) unless the other form took at most kernels.SWITCH its time at start
+    (PANEL_TIMING_LAYER at PANEL_TIMING_ROWS; about a second, before the weights load). On a 2-core Xeon the
+    panels took 0.83-0.88x the plain kernel's time there, start after start."""
+    compiled = panel_kernel()
+    if compiled is None:
+        return False
+    weights = [torch.full(shape, 0.01) for shape in PANEL_TIMING_LAYER]
+    forms: dict[str, list[nn.Module]] = {
+        "panels": [PanelLinear(weight, None) for weight in weights],
+        "plain rows": [PlainLinear(weight, None) for weight in weights],
+    }
+    with torch.inference_mode():
+        cases = [
+            {
+                name: functools.partial(_in_order, layer, [torch.randn(m, w.shape[1]) for w in weights])
+                for name, layer in forms.items()
+            }
+            for m in PANEL_TIMING_ROWS
+        ]
+        default, other = ("panels", "plain rows") if compiled.PANELS else ("plain rows", "panels")
+        return timed_choice("float32 products", default, other, cases) == "panels"
+
+
+def _in_order(projections: list[nn.Module], xs: list[torch.Tensor]) -> None:
+    for projection, x in zip(projections, xs):
+        projection(x)
 
 
 Projection = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]

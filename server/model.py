@@ -301,6 +301,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.attention = "rows"  # or "numba" or "flex": how rows attend to their KV slots (server/attention.py)
+        self.attention_tiles = False  # numba attention through the kernel's tiles, else its loops (tiles_here())
         self.partition = partition or Partition.whole(args)
         self.collectives = collectives
         self.model = Backbone(args, self.partition)

@@ -206,6 +206,7 @@ class ModelRunner:
                     for r in requests
                 ],
                 compiled_step=layers is not None and layers.fits(rows.num_tokens),
+                tiles=self.model.attention_tiles,
             )
             for row in compiled.others:  # rows too long for the kernel take the row loop, with their masks
                 row_masks[row] = self._row_mask(requests[row])

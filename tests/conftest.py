@@ -59,6 +59,12 @@ def tiny_qwen3_draft_dir(tmp_path_factory, tiny_qwen3_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_wide_head_dir(tmp_path_factory):
+    """Heads of 128 values, as the 1.5B's: the numba attention's tiles take them (AVX-512), narrower ones the loops."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-wide-head"), seed=7, arch="qwen3", head_dim=128)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama3_dir(tmp_path_factory):
     """Llama 3.x: llama3 RoPE scaling and tied embeddings, as in Llama-3.2-1B."""
     return save_tiny_model(

@@ -346,17 +346,16 @@ def _tiles_or_skip(tiles: bool) -> bool:
 @pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_numba_attention_over_wide_heads_gives_what_exact_attention_gives(head_dim, tiles):
-    """Heads of 64 and 128 values, through the score and value tiles (AVX-512 CPUs but Zen 4 by default) and
-    through the loops (the others): every row within float32 rounding of the row loop in float64, in a step of
-    five rows and alone."""
+    """Heads of 64 and 128 values, through the score and value tiles (AVX-512 only) and through the loops: every
+    row within float32 rounding of the row loop in float64, in a step of five rows and alone."""
     from specedge.server import tree
     from specedge.server.attention import compiled_rows, row_attention
 
     tiles = _tiles_or_skip(tiles)
     q, k_cache, v_cache, cu, slots, num_keys, masks = _wide_head_step(head_dim, torch.Generator().manual_seed(3))
-    layout = compiled_rows(cu, slots, num_keys, masks)
+    layout = compiled_rows(cu, slots, num_keys, masks, tiles=tiles)
     assert layout.others == ()
-    got = row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout, tiles)
+    got = row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout)
 
     def full_mask(row: int) -> torch.Tensor:  # [new, cached + new]
         new = cu[row + 1] - cu[row]
@@ -369,7 +368,8 @@ def test_numba_attention_over_wide_heads_gives_what_exact_attention_gives(head_d
     for row in range(len(slots)):  # alone, a KV head a task: the same code for every query, so the same bits
         one = ((0, cu[row + 1] - cu[row]), (slots[row],), (num_keys[row],), (masks[row],))
         tokens = slice(cu[row], cu[row + 1])
-        assert torch.equal(row_attention(q[tokens], k_cache, v_cache, *one, compiled_rows(*one), tiles), got[tokens])
+        alone = row_attention(q[tokens], k_cache, v_cache, *one, compiled_rows(*one, tiles=tiles))
+        assert torch.equal(alone, got[tokens])
 
 
 def test_the_tiles_are_refused_on_a_cpu_without_avx512(monkeypatch):
@@ -377,11 +377,12 @@ def test_the_tiles_are_refused_on_a_cpu_without_avx512(monkeypatch):
     from specedge.server.attention import compiled_rows, row_attention
 
     q, k_cache, v_cache, cu, slots, num_keys, masks = _wide_head_step(128, torch.Generator().manual_seed(5))
-    layout = compiled_rows(cu, slots, num_keys, masks)
     monkeypatch.setattr(attention.numba_kernel(), "AVX512", False)
     with pytest.raises(ValueError, match="AVX-512"):
-        row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout, tiles=True)
-    loops = row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, layout, tiles=False)
+        row_attention(
+            q, k_cache, v_cache, cu, slots, num_keys, masks, compiled_rows(cu, slots, num_keys, masks, tiles=True)
+        )
+    loops = row_attention(q, k_cache, v_cache, cu, slots, num_keys, masks, compiled_rows(cu, slots, num_keys, masks))
     assert torch.isfinite(loops).all()
 
 
@@ -396,8 +397,8 @@ def test_a_tokens_attention_has_the_same_bits_whatever_follows_it_in_its_row(hea
     cached, slot = 200, 1
 
     def first(k: int) -> torch.Tensor:
-        layout = compiled_rows((0, k), (slot,), (cached + k,), (None,))
-        return row_attention(q[:k], k_cache, v_cache, (0, k), (slot,), (cached + k,), (None,), layout, tiles)
+        layout = compiled_rows((0, k), (slot,), (cached + k,), (None,), tiles=tiles)
+        return row_attention(q[:k], k_cache, v_cache, (0, k), (slot,), (cached + k,), (None,), layout)
 
     whole = first(NUMBA_MAX_NEW)
     for k in (1, 2, 5, 7):

@@ -11,7 +11,8 @@ import torch
 
 from specedge.bench import cli
 from specedge.bench.engine import ATTENTION_STEPS, DEFAULT_STEPS, PATHS, CostModel, Step, _below_roofline_lines
-from specedge.server.matmul import numba_kernel
+from specedge.server.attention import tiles_here
+from specedge.server.matmul import numba_kernel, panels_here
 from specedge.server.model import ModelArgs
 
 # Qwen2.5-Coder-1.5B's shape: 1.54 B matrix-weight parameters, the LM head tied to the embedding.
@@ -138,7 +139,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert header in table
     kernel = numba_kernel()
     if kernel.AVX512:  # float32 on AVX-512: the numba product the path does not run, beside the one it does
-        other = "numba plain" if kernel.PANELS else "numba panels"
+        other = "numba plain" if panels_here() else "numba panels"
         assert kernels[other] > 0
         columns = f"| M | eager ms | onednn@1 ms | onednn@16 ms | inductor ms | numba ms | {other} ms | best / floor |"
         assert f"{columns} numba / {other} |" in table
@@ -163,7 +164,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     assert [(row["cached"], row["step"]) for row in layer["rows"]] == [(8, name) for name in ATTENTION_STEPS]
     assert all(row["numba"] > 0 and row["rows"] > 0 for row in layer["rows"]), layer
     if kernel.AVX512:  # the same kernel through the attention tiles or loops it does not take by default
-        default, other = ("tiles", "loops") if kernel.TILED_ATTENTION else ("loops", "tiles")
+        default, other = ("tiles", "loops") if tiles_here() else ("loops", "tiles")
         assert (layer["numba"], layer["other"]) == (default, other) and all(row[other] > 0 for row in layer["rows"])
         assert (
             f"| cached keys | step | numba ({default}) ms | {other} ms | rows ms | numba / rows | numba / {other} |"

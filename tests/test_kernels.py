@@ -9,10 +9,13 @@ self-contained, and a second process must load the forward's kernels from the ca
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import pathlib
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -123,7 +126,7 @@ def test_a_kernel_that_fails_to_compile_leaves_the_others_their_speed(monkeypatc
     attention compiled, and says so in one log line."""
     from specedge.server import _forward_numba, attention, layer_kernel, matmul
 
-    def fail() -> None:
+    def fail(panels: bool) -> None:
         raise RuntimeError("no layer today")
 
     accessors = (matmul.numba_kernel, attention.numba_kernel, layer_kernel.numba_kernel)
@@ -132,10 +135,33 @@ def test_a_kernel_that_fails_to_compile_leaves_the_others_their_speed(monkeypatc
         accessor.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="specedge.server.kernels"):
-            assert layer_kernel.numba_kernel() is None
+            assert layer_kernel.numba_kernel(matmul.panels_here()) is None
             assert matmul.numba_kernel() is _forward_numba and attention.numba_kernel() is _forward_numba
     finally:
         for accessor in accessors:
             accessor.cache_clear()  # the next caller loads them again, with the real warm-up
     [line] = caplog.messages
     assert "no layer today" in line and "layers run module by module" in line
+
+
+def _taking(ms: float) -> Callable[[], None]:
+    return functools.partial(time.sleep, ms / 1e3)
+
+
+def test_a_start_keeps_the_default_form_unless_the_other_is_clearly_faster(caplog):
+    """timed_choice sums each form's medians over the cases: the other form runs only where its sum is at most
+    SWITCH the default's, so a form that wins most cases by a little and loses one by a lot does not."""
+    from specedge.server.kernels import SWITCH, timed_choice
+
+    def choose(*cases: tuple[float, float]) -> str:
+        timed = [{"default": _taking(default), "other": _taking(other)} for default, other in cases]
+        return timed_choice("the products", "default", "other", timed, repeats=3, flush_bytes=0)
+
+    with caplog.at_level("INFO", logger="specedge.server.kernels"):
+        assert choose((10, 5)) == "other"
+        [line] = caplog.messages
+        assert line.startswith("the products: other (other took 0.5") and f"gives way at {SWITCH:.2f}x" in line
+        assert choose((10, 10)) == "default"  # noise within the margin keeps the default
+        assert choose((10, 20)) == "default"
+        assert choose((10, 6), (10, 6), (10, 20)) == "default"  # 30 ms against 32
+        assert choose((10, 6), (10, 6), (10, 12)) == "other"  # 30 against 24

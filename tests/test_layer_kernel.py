@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 
 from specedge.registry import ResolvedModel
-from specedge.server import attention, layer_kernel
+from specedge.server import attention, layer_kernel, loading, matmul
 from specedge.server.attention import NUMBA_MAX_NEW
 from specedge.server.loading import load_target
 from specedge.server.matmul import numba_max_rows
@@ -23,17 +23,33 @@ from test_batched_forward import session_rounds
 
 CPU = torch.device("cpu")
 NUM_SLOTS, MAX_LEN = 8, 96  # 8: eight rows of NUMBA_MAX_NEW tokens pass the largest product limit
-# Qwen2 (qkv bias), Llama 2-style (none; 4 KV heads), Qwen3 (q/k norms, head_dim 32 != hidden / heads) and
-# Llama 3.x (llama3 RoPE, tied embeddings).
-FAMILIES = ["tiny_target_dir", "tiny_llama_dir", "tiny_qwen3_dir", "tiny_llama3_dir"]
+# Qwen2 (qkv bias), Llama 2-style (none; 4 KV heads), Qwen3 (q/k norms, head_dim 32 != hidden / heads), Llama 3.x
+# (llama3 RoPE, tied embeddings), and Qwen3 with heads of 128 (the attention tiles' on AVX-512), there also through
+# the forms of the kernel this process did not choose at start (plain rows for panels, loops for tiles, or back).
+FAMILIES = ["tiny_target_dir", "tiny_llama_dir", "tiny_qwen3_dir", "tiny_llama3_dir", "tiny_wide_head_dir"]
+OTHER_FORMS = "tiny_wide_head_dir, the other forms"
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[*FAMILIES, OTHER_FORMS])
 def model(request):
-    model_dir = request.getfixturevalue(request.param)
-    target = load_target(ResolvedModel("tiny", "hf", model_dir), device=CPU, dtype=torch.float32, matmul="numba")
-    assert target.model.attention == "numba" and target.model.compiled_layers is not None
-    return target.model
+    name, _, other = request.param.partition(", ")
+    model_dir = request.getfixturevalue(name)
+    panels, tiles = matmul.panels_here(), attention.tiles_here()
+    with pytest.MonkeyPatch.context() as patch:
+        if other:
+            kernel = attention.numba_kernel()
+            assert kernel is not None
+            if not kernel.AVX512:
+                pytest.skip("the panels and the attention tiles are AVX-512 IR: elsewhere there is one form")
+            panels, tiles = not panels, not tiles
+            patch.setattr(matmul, "panels_here", lambda: panels)
+            patch.setattr(loading, "tiles_here", lambda: tiles)
+        target = load_target(ResolvedModel("tiny", "hf", model_dir), device=CPU, dtype=torch.float32, matmul="numba")
+    model = target.model
+    assert model.attention == "numba" and model.compiled_layers is not None
+    assert isinstance(model.lm_head, matmul.PanelLinear) == panels == model.compiled_layers.panels
+    assert model.attention_tiles == tiles
+    return model
 
 
 @pytest.fixture
@@ -159,7 +175,7 @@ def test_a_tokens_logits_do_not_depend_on_the_step_it_rides_in(model, calls):
     assert len(calls) == before + 2 * len(new) + 4 + 7  # every step ran the compiled layers, the prefills too
     for got in (in_a_row, torch.cat(in_two), beside_seven, beside_a_prefill):
         assert torch.equal(got, alone)
-    kernel = layer_kernel.numba_kernel()
+    kernel = attention.numba_kernel()
     assert kernel is not None
     if kernel._PREFETCH_FROM == 1:  # one-row products take the tiles too: the server-only baseline at N = 1
         prefill(12, prompt)

@@ -185,7 +185,7 @@ def test_numba_path_keeps_one_copy_of_the_weights(tiny_llama3_dir):
     target = load_target(ResolvedModel("tiny", "hf", tiny_llama3_dir), device=CPU, dtype=torch.float32, matmul="numba")
     model = target.model
     assert target.matmul == "numba"
-    kind = PanelLinear if matmul.numba_kernel().PANELS else PlainLinear
+    kind = PanelLinear if matmul.panels_here() else PlainLinear
     head, embedding = model.lm_head, model.model.embed_tokens
     assert isinstance(head, kind)
     if kind is PanelLinear:  # the fixture ties them
