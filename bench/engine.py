@@ -53,7 +53,7 @@ from torch.nn import functional as F
 from specedge import noise
 from specedge.registry import ResolvedModel, resolve
 from specedge.server.draws import RowDraw, draw_rows
-from specedge.server.kernels import FLUSH_BYTES, in_turn_ms
+from specedge.server.kernels import FLUSH_BYTES, cpu_name, in_turn_ms
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import (
     PackedLinear,
@@ -709,26 +709,16 @@ def _mlp_shape(resolved: ResolvedModel) -> tuple[int, int]:
 
 
 def _machine(config: EngineBenchConfig, threads: int) -> dict:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor()
-    )
     return {
         "config": dataclasses.asdict(config),
         "command": " ".join(sys.argv),
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cpus": os.cpu_count(),
         "threads": threads,
         "torch": importlib.metadata.version("torch"),
         "platform": platform.platform(),
         "load_average_before": os.getloadavg(),
     }
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
 
 
 def write_engine_report(results: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:

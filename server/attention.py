@@ -58,7 +58,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from specedge.server.kernels import kernel_array, load_kernel, timed_choice
+from specedge.server.kernels import chosen_form, kernel_array, load_kernel
 
 log = logging.getLogger(__name__)
 
@@ -131,32 +131,38 @@ TILES_TIMING_KEYS = 2000  # cached keys a row: 33 MB of keys and values at 8 row
 def tiles_here() -> bool:
     """Whether this process's numba attention takes heads of a multiple of PANEL values through the kernel's tiles
     or its loops, where both can (AVX-512): the kernel's default (TILED_ATTENTION: the tiles, but on Zen 4, where
-    they are untimed) unless the other form took at most kernels.SWITCH its time at start, one layer at
-    TILES_TIMING_STEPS over TILES_TIMING_KEYS keys a row. On a 2-core Xeon the tiles took 0.56-0.82x the loops'
-    time at 200 and 2,000 keys (`specedge-bench engine`)."""
+    they are untimed) unless the other form took at most kernels.SWITCH its time, one layer at TILES_TIMING_STEPS
+    over TILES_TIMING_KEYS keys a row (once per machine: kernels.chosen_form). On a 2-core Xeon the loops took
+    1.32-1.45x the tiles' time there."""
     kernel = numba_kernel()
     if kernel is None or not kernel.AVX512:
         return False
+    default, other = TILE_FORMS if kernel.TILED_ATTENTION else TILE_FORMS[::-1]
+    chosen = chosen_form("attention over heads of 64 values and more", default, other, kernel, _tile_timings)
+    return chosen == "tiles"
+
+
+def _tile_timings() -> list[dict[str, Callable[[], object]]]:
     num_heads, num_kv_heads, head_dim = TILES_TIMING_HEADS
-    cases = []
+    cases: list[dict[str, Callable[[], object]]] = []
     for num_rows, num_new in TILES_TIMING_STEPS:
         num_keys = TILES_TIMING_KEYS + num_new
         k, v = (torch.randn(num_rows, num_keys, num_kv_heads, head_dim) for _ in "kv")  # a slot a row
         q = torch.randn(num_rows * num_new, num_heads, head_dim)
         cu, slots = tuple(range(0, num_rows * num_new + 1, num_new)), tuple(range(num_rows))
         keys, chains = (num_keys,) * num_rows, (None,) * num_rows
-        layouts = {
-            form: compiled_rows(cu, slots, keys, chains, compiled_step=True, tiles=form == "tiles")
-            for form in TILE_FORMS
-        }
+        on = (q, k, v, cu, slots, keys, chains)
         cases.append(
             {
-                form: functools.partial(row_attention, q, k, v, cu, slots, keys, chains, layouts[form])
+                form: functools.partial(
+                    row_attention,
+                    *on,
+                    compiled_rows(cu, slots, keys, chains, compiled_step=True, tiles=form == "tiles"),
+                )
                 for form in TILE_FORMS
             }
         )
-    default, other = TILE_FORMS if kernel.TILED_ATTENTION else TILE_FORMS[::-1]
-    return timed_choice("attention over heads of 64 values and more", default, other, cases) == "tiles"
+    return cases
 
 
 @dataclasses.dataclass(frozen=True)

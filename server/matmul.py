@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from specedge.server.kernels import kernel_array, load_kernel, timed_choice
+from specedge.server.kernels import chosen_form, kernel_array, load_kernel
 
 if TYPE_CHECKING:
     from specedge.server.model import CausalLM
@@ -340,29 +340,33 @@ PANEL_TIMING_ROWS = (1, 8, 40)  # one decode row, eight, eight verify rounds of 
 def panels_here() -> bool:
     """Whether this process's float32 projections run as panels (PanelLinear) or as plain rows (PlainLinear),
     where both can (AVX-512): the kernel's default (PANELS: the panels, but on Zen 4, whose plain kernel was tuned
-    there and where the panels are untimed) unless the other form took at most kernels.SWITCH its time at start
-    (PANEL_TIMING_LAYER at PANEL_TIMING_ROWS; about a second, before the weights load). On a 2-core Xeon the
-    panels took 0.83-0.88x the plain kernel's time there, start after start."""
+    there and where the panels are untimed) unless the other form took at most kernels.SWITCH its time
+    (PANEL_TIMING_LAYER at PANEL_TIMING_ROWS; about a second, once per machine: kernels.chosen_form). On a 2-core
+    Xeon the panels took 0.83-0.88x the plain kernel's time there, start after start."""
     compiled = panel_kernel()
     if compiled is None:
         return False
+    default, other = ("panels", "plain rows") if compiled.PANELS else ("plain rows", "panels")
+    chosen = chosen_form("float32 products", default, other, compiled, _panel_timings)
+    return chosen == "panels"
+
+
+def _panel_timings() -> list[dict[str, Callable[[], object]]]:
     weights = [torch.full(shape, 0.01) for shape in PANEL_TIMING_LAYER]
     forms: dict[str, list[nn.Module]] = {
         "panels": [PanelLinear(weight, None) for weight in weights],
         "plain rows": [PlainLinear(weight, None) for weight in weights],
     }
-    with torch.inference_mode():
-        cases = [
-            {
-                name: functools.partial(_in_order, layer, [torch.randn(m, w.shape[1]) for w in weights])
-                for name, layer in forms.items()
-            }
-            for m in PANEL_TIMING_ROWS
-        ]
-        default, other = ("panels", "plain rows") if compiled.PANELS else ("plain rows", "panels")
-        return timed_choice("float32 products", default, other, cases) == "panels"
+    return [
+        {
+            name: functools.partial(_in_order, layer, [torch.randn(m, w.shape[1]) for w in weights])
+            for name, layer in forms.items()
+        }
+        for m in PANEL_TIMING_ROWS
+    ]
 
 
+@torch.inference_mode()
 def _in_order(projections: list[nn.Module], xs: list[torch.Tensor]) -> None:
     for projection, x in zip(projections, xs):
         projection(x)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import os
 import pathlib
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 
 import pytest
@@ -148,20 +150,49 @@ def _taking(ms: float) -> Callable[[], None]:
     return functools.partial(time.sleep, ms / 1e3)
 
 
-def test_a_start_keeps_the_default_form_unless_the_other_is_clearly_faster(caplog):
-    """timed_choice sums each form's medians over the cases: the other form runs only where its sum is at most
-    SWITCH the default's, so a form that wins most cases by a little and loses one by a lot does not."""
-    from specedge.server.kernels import SWITCH, timed_choice
+def test_a_form_is_chosen_by_its_summed_time_and_remembered_per_machine(tmp_path, monkeypatch, caplog):
+    """chosen_form keeps the default unless the other form's time, summed over the cases, is at most SWITCH the
+    default's: a form that wins most cases by a little and loses one by a lot does not run. The first start times;
+    later ones read the choice (no timing, the same form) until the kernel's file changes."""
+    from specedge.server import kernels
 
-    def choose(*cases: tuple[float, float]) -> str:
-        timed = [{"default": _taking(default), "other": _taking(other)} for default, other in cases]
-        return timed_choice("the products", "default", "other", timed, repeats=3, flush_bytes=0)
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "cache"))
+    kernel_file = tmp_path / "kernel.py"
+    kernel_file.write_text("# a kernel\n")
+    kernel = types.ModuleType("kernel")
+    kernel.__file__ = str(kernel_file)
+    timings = []
+
+    def choose(subject: str, *cases: tuple[float, float]) -> str:
+        def timed() -> list[dict[str, Callable[[], object]]]:
+            timings.append(subject)
+            return [{"default": _taking(default), "other": _taking(other)} for default, other in cases]
+
+        return kernels.chosen_form(subject, "default", "other", kernel, timed, repeats=3, flush_bytes=0)
 
     with caplog.at_level("INFO", logger="specedge.server.kernels"):
-        assert choose((10, 5)) == "other"
+        assert choose("faster", (10, 5)) == "other"
         [line] = caplog.messages
-        assert line.startswith("the products: other (other took 0.5") and f"gives way at {SWITCH:.2f}x" in line
-        assert choose((10, 10)) == "default"  # noise within the margin keeps the default
-        assert choose((10, 20)) == "default"
-        assert choose((10, 6), (10, 6), (10, 20)) == "default"  # 30 ms against 32
-        assert choose((10, 6), (10, 6), (10, 12)) == "other"  # 30 against 24
+        assert line.startswith("faster: other (other took 0.5") and "timed now, remembered in" in line
+        assert choose("equal", (10, 10)) == "default"  # noise within the margin keeps the default
+        assert choose("slower", (10, 20)) == "default"
+        assert choose("one loss", (10, 6), (10, 6), (10, 20)) == "default"  # 30 ms against 32
+        assert choose("small wins", (10, 6), (10, 6), (10, 12)) == "other"  # 30 against 24
+        assert timings == ["faster", "equal", "slower", "one loss", "small wins"]
+        caplog.clear()
+        assert choose("faster", (5, 10)) == "other"  # remembered: not timed again
+        assert timings[-1] == "small wins" and "timed on " in caplog.messages[0]
+        remembered = json.loads((tmp_path / "cache" / kernels.FORMS_FILE).read_text())
+        assert {key.split(" | ")[0] for key in remembered} == {"faster", "equal", "slower", "one loss", "small wins"}
+        kernel_file.write_text("# the kernel, edited\n")
+        assert choose("faster", (5, 10)) == "default"  # timed again
+        assert timings[-1] == "faster"
+    assert list(json.loads((tmp_path / "cache" / kernels.FORMS_FILE).read_text())) == [
+        key for key in remembered if key.startswith("faster |")
+    ]  # the old kernel's choices dropped
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("SPECEDGE_CACHE", str(tmp_path / "a file" / "cache"))  # a cache dir that cannot be made
+    with caplog.at_level("INFO", logger="specedge.server.kernels"):
+        caplog.clear()
+        assert choose("faster", (10, 5)) == choose("faster", (10, 5)) == "other"
+        assert timings[-2:] == ["faster", "faster"] and "so every start times it" in caplog.messages[-1]
