@@ -329,9 +329,9 @@ def numba_projection(dtype: torch.dtype) -> Projection:
 
 
 # One decoder layer's products of the 1.5B ([out, in]: q/k/v, o, gate/up, down; 187 MB), in order, as a forward runs
-# them: one product alone, just after a flush, ran the panels at M = 1-8 0.90-1.07x the plain kernel's time from one
-# timing to the next on a 2-core Xeon, where a layer's four read 0.95-0.99x at M = 1, 0.79-0.87x at M = 8 and
-# 0.78-0.82x at M = 40, run after run, as whole forwards do.
+# them. On a 2-core Xeon one product alone, just after a flush, ran the panels at 1.00-1.11x the plain kernel's time
+# at M = 1 and 0.90-0.99x at M = 8 from one timing to the next; a layer's four read 1.01-1.05x at M = 1, 0.79-0.87x
+# at M = 8 and 0.78-0.82x at M = 40, run after run, as whole forwards do (8 x 5 0.86x).
 PANEL_TIMING_LAYER = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
 PANEL_TIMING_ROWS = (1, 8, 40)  # one decode row, eight, eight verify rounds of four drafts and a bonus token
 

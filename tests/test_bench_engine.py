@@ -163,7 +163,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     layer = results["limits"]["attention"]
     assert [(row["cached"], row["step"]) for row in layer["rows"]] == [(8, name) for name in ATTENTION_STEPS]
     assert all(row["numba"] > 0 and row["rows"] > 0 for row in layer["rows"]), layer
-    if kernel.AVX512:  # the same kernel through the attention tiles or loops it does not take by default
+    if kernel.AVX512:  # the same kernel through the attention tiles or loops this process did not choose
         default, other = ("tiles", "loops") if tiles_here() else ("loops", "tiles")
         assert (layer["numba"], layer["other"]) == (default, other) and all(row[other] > 0 for row in layer["rows"])
         assert (
