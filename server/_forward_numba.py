@@ -8,8 +8,8 @@ Everything the kernels call, and every constant they read, is defined here; test
 it. From the cache a process loads all three in a fraction of a second, where compiling them takes about
 twelve seconds on the 2-core EPYC of bench/results.
 
-The panel product (float32 on AVX-512 CPUs other than Zen 4). The weights are packed once, at load, into
-panels of 64 output columns, [ceil(N / 64), K, 64] (server/matmul.py's PanelLinear, the
+The panel product (float32 on AVX-512 CPUs where the first start timed it faster). The weights are
+packed once, at load, into panels of 64 output columns, [ceil(N / 64), K, 64] (server/matmul.py's PanelLinear, the
 original freed), and y = x @ w.T is a GEMM over them of the broadcast kind: a tile takes up
 to six x rows and one panel, and at each value of K loads the panel's four weight vectors
 and broadcasts each x row's value into 6 x 4 sums, with no reduction across lanes at the
@@ -68,8 +68,8 @@ or per row where the rows keep every thread busy (AVX-512: task_heads), reading 
 slot in place. A task scores each visible key against the G query
 heads that share the KV head while the key is in cache, takes a softmax per query
 head, and sums the values the same way, prefetching keys and values 16 keys
-ahead. On AVX-512 CPUs other than Zen 4, heads of 64, 128 or 256 values go
-through two tiles written in IR instead (TILED_ATTENTION): six queries by four
+ahead. On AVX-512 CPUs where they were timed faster, heads of 64, 128 or 256 values
+go through two tiles written in IR instead (attend's `tiles`): six queries by four
 keys of dot products ending in one shuffle tree, and six queries' weighted sums
 over 64 columns held in registers, a key a step. On a CPU this replaces one scaled-dot-product call per row and layer
 (about 0.1 ms each, whatever the row's size) with a few microseconds of
@@ -215,20 +215,20 @@ _HEADS_TOGETHER = _AVX512
 _KEYS_TO = _TO_L2 if _AVX512 else _TO_L1
 _VALUE_QUERIES = 3  # queries that share each value read in _weighted_values (six from L2: 0.71-0.76x the time of one)
 _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of one head at D = 128)
-# On AVX-512 CPUs other than Zen 4 (untimed there, as the panels), heads of a multiple of PANEL values (64, 128, 256)
-# attend through two tiles written in IR, as the products' are. A score tile takes _SCORE_QUERIES queries by four
-# keys, dot products a vector of the head at a time (6 x 4 sums, four key vectors and a query's in 29 of the 32
-# registers), and one shuffle tree a four; a value tile _VALUE_ROWS queries' weighted sums over PANEL of the head's
-# columns, a key a step (the panel product's step: the key's values as four vectors, each query's weight
-# broadcast). A tile walks a block of one head's keys, which its block's other tiles then read from L1, and the
+# On AVX-512 CPUs where they run faster (by default all but Zen 4, untimed there, as the panels), heads of a multiple of
+# PANEL values (64, 128, 256) attend through two tiles written in IR, as the products' are. A score tile takes
+# _SCORE_QUERIES queries by four keys, dot products a vector of the head at a time (6 x 4 sums, four key vectors and a
+# query's in 29 of the 32 registers), and one shuffle tree a four; a value tile _VALUE_ROWS queries' weighted sums over
+# PANEL of the head's columns, a key a step (the panel product's step: the key's values as four vectors, each query's
+# weight broadcast). A tile walks a block of one head's keys, which its block's other tiles then read from L1, and the
 # block's tiles share the prefetch of the next block, a line or more a step each. Those blocks: _SCORE_KEYS and
-# _VALUE_KEYS (from memory, one thread, the score tiles took 0.80-0.90x the time with blocks of 16 keys as with 64,
-# the value tiles 0.92-0.97x with 32). 28 layers' attention (12 heads, 2 KV heads of 128) at 2,000 cached keys a
-# row, in turn with the loops of dot_4x2 and _four_values on a 2-core Xeon: 8 x 5 0.65x the time, 8 x 1 0.86x, 1 x 5
-# 0.67x, 1 x 1 0.73x; at 200 keys 8 x 5 0.69x, 16 x 5 0.70x. Whole forwards of the real 1.5B at 2,000 keys: 8 x 5
-# 0.90x, 8 x 1 and 1 x 5 0.97x (docs/engine-cpu.md). Other heads, Zen 4 and AVX2 keep the loops. attend takes
-# the choice as an argument, so that tests check both on every AVX-512 CPU and `specedge-bench engine` times both
-# in turn (its one-layer attention table): on Zen 4 the tiles are untimed.
+# _VALUE_KEYS (from memory, one thread, the score tiles took 0.80-0.90x the time with blocks of 16 keys as with 64, the
+# value tiles 0.92-0.97x with 32). 28 layers' attention (12 heads, 2 KV heads of 128) at 2,000 cached keys a row, in
+# turn with the loops of dot_4x2 and _four_values on a 2-core Xeon: 8 x 5 0.65x the time, 8 x 1 0.86x, 1 x 5 0.67x, 1 x
+# 1 0.73x; at 200 keys 8 x 5 0.69x, 16 x 5 0.70x. Whole forwards of the real 1.5B at 2,000 keys: 8 x 5 0.90x, 8 x 1 and
+# 1 x 5 0.97x (docs/engine-cpu.md). Other heads and AVX2 keep the loops, and so does Zen 4 by
+# default (the tiles untimed there) unless its first start times them faster. attend takes the choice as an argument,
+# so that tests check both on every AVX-512 CPU and `specedge-bench engine` times both in turn.
 TILED_ATTENTION = _AVX512 and not _ZEN_AVX512
 # The panels and the attention tiles are AVX-512 IR: they run on every AVX-512 CPU (PanelLinear, attend's and
 # decoder_layer's `tiles`), and are the defaults where they were timed faster (PANELS, TILED_ATTENTION). A server
@@ -244,14 +244,14 @@ _CHUNK_SCORES = 2048 * 1024  # and of at most this many scores (8 MB), down to o
 _SILU_CHUNK = 2048  # columns per parallel task
 _LINE = 64  # bytes in a cache line
 _STRIPES = 64  # runs of blocks the chunked passes share among the threads
-# Float32 products on AVX-512 CPUs other than Zen 4 run panel_matmul over weights packed at load as panels of PANEL
-# output columns (server/matmul.py's PanelLinear), at every M. Over all of the 1.5B's products in turn with `matmul`
-# on the plain weights, on a 2-core Xeon: M = 1-5 0.95-0.98x the time, 8 0.86-0.96x, 12-16 0.83-0.90x, 24 0.71x,
-# 40 0.72-0.75x; against oneDNN's GEMM at 120-512 rows 0.85-1.00x its time at K = 1536, 0.94-1.09x at K = 8960. Whole
-# forwards 8 x 5 0.86x, 16 x 5 0.85x, 8 x 1 0.93x, 1 x 1 and 1 x 5 0.98x, a 155-token prefill 0.99x, 512 tokens 1.02x
-# (docs/engine-cpu.md). bfloat16's products, and float32's on Zen 4 (untimed with panels, whose plain kernel was
-# tuned there) and on AVX2, run `matmul` over the plain weights: the default a server's timing at start keeps
-# unless the plain weights run clearly faster (or, on Zen 4, the panels do).
+# Float32 products on AVX-512 CPUs where they run faster (by default all but Zen 4) run panel_matmul over weights packed
+# at load as panels of PANEL output columns (server/matmul.py's PanelLinear), at every M. Over all of the 1.5B's
+# products in turn with `matmul` on the plain weights, on a 2-core Xeon: M = 1-5 0.95-0.98x the time, 8 0.86-0.96x,
+# 12-16 0.83-0.90x, 24 0.71x, 40 0.72-0.75x; against oneDNN's GEMM at 120-512 rows 0.85-1.00x its time at K = 1536,
+# 0.94-1.09x at K = 8960. Whole forwards 8 x 5 0.86x, 16 x 5 0.85x, 8 x 1 0.93x, 1 x 1 and 1 x 5 0.98x, a 155-token
+# prefill 0.99x, 512 tokens 1.02x (docs/engine-cpu.md). bfloat16's products, and float32's on Zen 4 (untimed with
+# panels, whose plain kernel was tuned there) and on AVX2, run `matmul` over the plain weights: the default a server's
+# timing at start keeps unless the plain weights run clearly faster (or, on Zen 4, the panels do).
 PANELS = _AVX512 and not _ZEN_AVX512
 PANEL = 4 * _LANES  # a panel's columns: four vectors
 _PANEL_ROWS = 6  # x rows a panel tile takes: 6 x 4 sums, four w vectors and an x value in 32 registers
@@ -893,7 +893,7 @@ def dot_4x1(x, m, w, o, step, out, column):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The panel product (float32 on AVX-512 CPUs other than Zen 4: PANELS)
+# The panel product (float32 on AVX-512 CPUs where it runs faster: server/matmul.py's panels_here())
 
 
 def warm_up_panels() -> None:
