@@ -11,13 +11,13 @@ Measured one after the other in this process (CPU only):
    out for 1-row and for 16-row batches; the server packs for server/matmul.py's layout_rows()),
    inductor's compiled product with frozen weights (the alternative the packed path was chosen over), the
    numba path's product and, on AVX-512 CPUs in float32, the numba product it does not run (the plain kernel
-   where the panels run, the panels where they do not: the server's choice at start, matmul.panels_here());
+   where the panels run, the panels where they do not: the machine's choice, matmul.panels_here());
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1; where attention is compiled (numba,
    the CPU float32 default), each forward also on the row loop, and where layers are compiled (numba) also
    module by module, all taken in turn; and one layer's attention alone on both, at --attention-keys cached
    keys a row, where AVX-512 lets the kernel take either also through the attention tiles or loops it did not
-   choose at start (attention.tiles_here());
+   choose (attention.tiles_here());
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
 4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits
    (of a random context, flat and scaled to peaked, and of the shipped prompts' text);

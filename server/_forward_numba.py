@@ -231,9 +231,9 @@ _KEYS_AHEAD = 16  # keys a task prefetches ahead of the four it reads (8 KB of o
 # so that tests check both on every AVX-512 CPU and `specedge-bench engine` times both in turn.
 TILED_ATTENTION = _AVX512 and not _ZEN_AVX512
 # The panels and the attention tiles are AVX-512 IR: they run on every AVX-512 CPU (PanelLinear, attend's and
-# decoder_layer's `tiles`), and are the defaults where they were timed faster (PANELS, TILED_ATTENTION). A server
-# times each against the other form at start and runs the other where it is clearly faster (server/matmul.py's
-# panels_here(), server/attention.py's tiles_here()).
+# decoder_layer's `tiles`), and are the defaults where they were timed faster (PANELS, TILED_ATTENTION). A machine's
+# first server start times each against the other form and runs the other where it is clearly faster, and later
+# starts read that choice (server/matmul.py's panels_here(), server/attention.py's tiles_here(), kernels.py).
 AVX512 = _AVX512
 _SCORE_QUERIES = 6
 _VALUE_ROWS = 6
@@ -250,8 +250,8 @@ _STRIPES = 64  # runs of blocks the chunked passes share among the threads
 # 12-16 0.83-0.90x, 24 0.71x, 40 0.72-0.75x; against oneDNN's GEMM at 120-512 rows 0.85-1.00x its time at K = 1536,
 # 0.94-1.09x at K = 8960. Whole forwards 8 x 5 0.86x, 16 x 5 0.85x, 8 x 1 0.93x, 1 x 1 and 1 x 5 0.98x, a 155-token
 # prefill 0.99x, 512 tokens 1.02x (docs/engine-cpu.md). bfloat16's products, and float32's on Zen 4 (untimed with
-# panels, whose plain kernel was tuned there) and on AVX2, run `matmul` over the plain weights: the default a server's
-# timing at start keeps unless the plain weights run clearly faster (or, on Zen 4, the panels do).
+# panels, whose plain kernel was tuned there) and on AVX2, run `matmul` over the plain weights: the default a machine's
+# first start keeps unless the plain weights run clearly faster (or, on Zen 4, the panels do).
 PANELS = _AVX512 and not _ZEN_AVX512
 PANEL = 4 * _LANES  # a panel's columns: four vectors
 _PANEL_ROWS = 6  # x rows a panel tile takes: 6 x 4 sums, four w vectors and an x value in 32 registers

@@ -3,7 +3,7 @@
 - `eager`: the model's own `nn.Linear` layers (MKL on CPU, cuBLAS on CUDA). The
   plain path, kept for comparison and wherever nothing faster applies.
 - `numba` (CPU, float32; bfloat16 when asked). On AVX-512 CPUs where the panels
-  ran faster at start (panels_here(): by default everywhere but on Zen 4),
+  ran faster at the machine's first start (panels_here(): by default all but Zen 4),
   float32 weights are packed once, at load, into panels of 64 output columns
   (PanelLinear; the originals freed, a tied embedding reading the LM head's
   panels: PanelEmbedding), and every product, whatever its rows, runs the
@@ -104,7 +104,7 @@ def layout_rows(dtype: torch.dtype) -> int:
 
 class PanelLinear(nn.Module):
     """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32; the numba path's
-    projection where panels_here(), and built on any AVX-512 CPU for the timing at start, tests and
+    projection where panels_here(), and built on any AVX-512 CPU for that choice's timing, tests and
     `specedge-bench engine`): the numba kernel's panel product, for any number of rows. Each value of y is one sum
     over K in order, so a row's bits do not depend on the rows beside it."""
 
