@@ -60,7 +60,9 @@ bfloat16, and a tile's step takes 32 values of K as pairs into the 16 float32 la
 written as inline assembly: its LLVM intrinsic's types have changed between versions). So the weights stream at
 half the bytes and every sum is float32; the caller rounds once. Passes of several tiles hold five x rows, not
 six. [M, 1536] x [1536, 8960], 20 weights in turn with oneDNN's packed bfloat16 product on a 2-core Zen 4 EPYC:
-M = 1-6 0.74-0.93x its time (at the stream's speed), M = 7-8 0.99-1.05x, M = 12-64 0.99-1.14x.
+M = 1-6 0.74-0.93x its time (at the stream's speed), M = 7-8 0.99-1.05x, M = 12-64 0.99-1.14x. A bfloat16
+block is half a float32 one's bytes, and its lone passes and three-row blocks prefetch all of the next one, on
+every CPU. Where the CPU has AMX (AMX-BF16), oneDNN takes bfloat16 products from nine rows on.
 
 Attention. Every short row of a step (a decode token, a verify chain or tree)
 attends to its own KV slot in one call: one parallel task per (row, KV head),
@@ -138,16 +140,26 @@ _ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
 # 96-128 (docs/engine-cpu.md). On the Xeon, once the chunked passes took two blocks side by side (_SPAN), float32
 # took 0.84-0.91x oneDNN's time at M = 40-56, 0.94-0.96x at 64, 0.98x at 72, 1.00x at 80, 1.07x at 96; whole
 # forwards in turn with the limit at 40: 41-56 tokens (8 x 6, 9 x 5, 10 x 5, 11 x 5, 12 x 4) 0.91-0.96x, but 12 x 5
-# (60 tokens) 1.02x with the limit at 64 and 14 x 5 (70) 1.07x at 72, so 56. bfloat16 there keeps 40 (oneDNN runs it
-# on AMX; untimed at 41-56).
+# (60 tokens) 1.02x with the limit at 64 and 14 x 5 (70) 1.07x at 72, so 56.
+# bfloat16 on AVX-512 CPUs without AMX keeps 40 (untimed at 41-56); with AMX, 8 (below).
 MAX_ROWS = 120 if _ZEN_AVX512 else 56 if _AVX512 else 48
-MAX_ROWS_BFLOAT16 = 64 if _ZEN_AVX512 else 40 if _AVX512 else MAX_ROWS
+# bfloat16 on a CPU with AMX (AMX-BF16: an Intel Xeon from Sapphire Rapids on): oneDNN's GEMM runs it in AMX tiles,
+# and over three layers' worth of the 1.5B's products in turn on a 2-core Xeon took 0.82-0.86x the kernel's time at
+# M = 9-12 (on the plain weights the kernel reads), 0.44x at M = 40, but 1.09-1.35x at M = 4-8: so up to 8 rows.
+_AMX = _AVX512 and bool(llvm.get_host_cpu_features().get("amx-bf16", False))
+MAX_ROWS_BFLOAT16 = 64 if _ZEN_AVX512 else 8 if _AMX else 40 if _AVX512 else MAX_ROWS
 _PREFETCH_FROM = 1 if _AVX512 else 3  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 # The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of
 # it elsewhere. With the 3 x 8 tile's fence (_step_fence), every product of the 1.5B in turn with the tiles before
 # them on a 2-core Zen 4 EPYC: M = 7 0.77-0.87x the time, M = 8 0.59-0.88x (docs/engine-cpu.md).
 _THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
+# bfloat16 prefetches the whole next block everywhere: a lone pass four lines a step, the 3 x 7 and 3 x 8 tiles
+# three. A bfloat16 block is half a float32 one's bytes, and on a 2-core Xeon, over three layers' worth of the
+# 1.5B's bfloat16 products in turn with the float32 counts (two lines a step in both), M = 1-2 took 0.90-0.97x the
+# time, M = 3-6 0.80-0.89x, M = 7-8 0.93-0.97x; float32 there lost with them (M = 1-5 1.02-1.09x, M = 8 1.10x).
+_LONE_LINES_BFLOAT16 = 4
+_THREE_ROW_LINES_BFLOAT16 = 3
 # Lines a step of a chunked pass (M > _GROUP) may prefetch. At one, M = 9-18 (two or three passes) prefetched only
 # half to three quarters of the next block; on Zen 4 two let them take all of it: in turn over 24 [35838, 1536]
 # weights, M = 10-12 0.76-0.82x the time, M = 16 0.87-0.89x, 24 0.94x, 40 0.99x (docs/engine-cpu.md).
@@ -328,8 +340,9 @@ def matmul(x, w, y):
     full_blocks = n // 4
     per_line = _LINE // w.itemsize  # weights a cache line holds: 16 float32, 32 bfloat16
     # A pass's share of the next block's 4 k / per_line lines: a lone pass (M <= _GROUP) up to _LONE_LINES a
-    # step, each of several passes (AVX2 only, here) at most one.
-    share = min((4 * k // per_line) // passes, (_LONE_LINES if passes == 1 else 1) * (k // width))
+    # step (bfloat16 _LONE_LINES_BFLOAT16), each of several passes (AVX2 only, here) at most one.
+    lone_lines = _LONE_LINES_BFLOAT16 if w.itemsize == 2 else _LONE_LINES
+    share = min((4 * k // per_line) // passes, (lone_lines if passes == 1 else 1) * (k // width))
     for block in prange((n + 3) // 4):
         o = block * 4
         if o + 4 <= n:
@@ -362,12 +375,13 @@ def _row_by_row(x, w, y):
 @njit(parallel=True, fastmath=True, cache=True)
 def _three_row_blocks(x, w, y):
     """matmul for M = 7 or 8 on AVX-512 (K a multiple of 16): blocks of three weight rows, each in one pass of the
-    3 x M tile, which prefetches _THREE_ROW_LINES lines a step of the next block (all of it on Zen 4, two thirds
-    elsewhere)."""
+    3 x M tile, which prefetches _THREE_ROW_LINES lines a step of the next block (all of it on Zen 4 and in
+    bfloat16, two thirds elsewhere)."""
     m_rows, k = x.shape
     n = w.shape[0]
     full_blocks = n // 3
-    lines = min(3 * k // (_LINE // w.itemsize), _THREE_ROW_LINES * (k // _step_width(w)))
+    row_lines = _THREE_ROW_LINES_BFLOAT16 if w.itemsize == 2 else _THREE_ROW_LINES
+    lines = min(3 * k // (_LINE // w.itemsize), row_lines * (k // _step_width(w)))
     for block in prange((n + 2) // 3):
         o = block * 3
         if o + 3 <= n:
@@ -488,16 +502,16 @@ def _chunk_pass(x, m0, columns, w, o, y, prefetching, span, sums):
         _chunk_6(x, m0, w, o, y, ahead, lines, k0, k1, sums, first, last)
 
 
-def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead=0, in_memory=0, repeats=1):
+def _prefetching_tile(columns, prefetches=(1, 1), w_rows=4, fenced=False, steps_ahead=0, in_memory=0, repeats=1):
     """An intrinsic tile(x, m0, w, o, y, ahead, lines): y[m0 .. m0 + columns - 1, o:o + w_rows] = those rows of x
     [M, K] . rows o..o + w_rows - 1 of w [N, K] (float32, C order, K a multiple of the lanes), a vector a step,
     while prefetching `lines` (<= prefetches * K / lanes) 64-byte lines from w.ravel()[ahead:], evenly spread over
-    the steps, `prefetches` instructions a step (none at 0); `fenced`, each step ending in _step_fence. With
-    `steps_ahead`, a step instead prefetches each w row's line that many steps on, and past a row's end the same
-    line of the same row in the block at `ahead` (`prefetches` and `lines` unused). With `in_memory` (fenced
-    only), the last that many sums go through memory every step (_SUMS_IN_MEMORY). Each prefetch is issued
-    `repeats` times in a row (_PREFETCH_REPEATS). dot_4x2's loop for `columns` x rows, written in IR so that the
-    prefetch does not stop it vectorizing."""
+    the steps, `prefetches` instructions a step (none at 0; a pair: float32's, then bfloat16's); `fenced`, each
+    step ending in _step_fence. With `steps_ahead`, a step instead prefetches each w row's line that many steps on,
+    and past a row's end the same line of the same row in the block at `ahead` (`prefetches` and `lines` unused).
+    With `in_memory` (fenced only), the last that many sums go through memory every step (_SUMS_IN_MEMORY). Each
+    prefetch is issued `repeats` times in a row (_PREFETCH_REPEATS). dot_4x2's loop for `columns` x rows, written
+    in IR so that the prefetch does not stop it vectorizing."""
     assert fenced or not in_memory, "only the fence keeps LLVM from taking the sums back into registers"
 
     @intrinsic
@@ -506,7 +520,7 @@ def _prefetching_tile(columns, prefetches=1, w_rows=4, fenced=False, steps_ahead
             return None  # the IR steps through rows by their length: a strided array fails to type, loudly
 
         def codegen(context, builder, signature, args):
-            shape = (columns, prefetches, w_rows)
+            shape = (columns, prefetches[signature.args[2].dtype == types.int16], w_rows)
             _tile_ir(context, builder, signature, args, shape, False, fenced, steps_ahead, in_memory, repeats)
             return context.get_dummy_value()
 
@@ -736,15 +750,18 @@ def _is_true(builder, flag):
 _tile_2, _tile_3, _tile_4, _tile_5, _tile_6 = (_prefetching_tile(columns) for columns in range(2, 7))
 _lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (
     _prefetching_tile(
-        c, _LONE_LINES, steps_ahead=_LONE_AHEAD if c >= _LONE_AHEAD_FROM else 0, repeats=_PREFETCH_REPEATS
+        c,
+        (_LONE_LINES, _LONE_LINES_BFLOAT16),
+        steps_ahead=_LONE_AHEAD if c >= _LONE_AHEAD_FROM else 0,
+        repeats=_PREFETCH_REPEATS,
     )
     for c in range(1, 7)
 )
-_tile_1x1 = _prefetching_tile(1, 0, 1)  # _row_by_row's: one w row, one x row, no prefetch
-_tile_3x7 = _prefetching_tile(7, _THREE_ROW_LINES, 3, repeats=_PREFETCH_REPEATS)
+_tile_1x1 = _prefetching_tile(1, (0, 0), 1)  # _row_by_row's: one w row, one x row, no prefetch
+_tile_3x7 = _prefetching_tile(7, (_THREE_ROW_LINES, _THREE_ROW_LINES_BFLOAT16), 3, repeats=_PREFETCH_REPEATS)
 _tile_3x8 = _prefetching_tile(
     8,
-    _THREE_ROW_LINES,
+    (_THREE_ROW_LINES, _THREE_ROW_LINES_BFLOAT16),
     3,
     fenced=True,
     in_memory=_SUMS_IN_MEMORY,
@@ -771,7 +788,8 @@ def _prefetching_pass(x, m0, columns, w, o, y, ahead, lines):
 
 @njit(inline="always", fastmath=True)
 def _lone_pass(x, columns, w, o, y, ahead, lines):
-    """The one pass of a block for all `columns` (_PREFETCH_FROM .. _GROUP) x rows, _LONE_LINES prefetches a step."""
+    """The one pass of a block for all `columns` (_PREFETCH_FROM .. _GROUP) x rows, _LONE_LINES prefetches a step
+    (bfloat16 _LONE_LINES_BFLOAT16)."""
     if columns == 1:
         _lone_1(x, 0, w, o, y, ahead, lines)
     elif columns == 2:

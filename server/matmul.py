@@ -14,7 +14,7 @@
   bfloat16, the weights stay row-major, as loaded, in one copy (a tied LM head
   reads the embedding table itself). A
   product of up to `numba_max_rows()` rows (48 on AVX2, 56 on AVX-512, 40 in
-  bfloat16; on Zen 4 120, and 64 in bfloat16), every decode step's and most
+  bfloat16, 8 where AMX runs oneDNN's; on Zen 4 120, and 64 in bfloat16), every decode step's and most
   verify steps', runs a numba kernel that streams the weights at memory speed
   (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on the
   same plain weights. On a Xeon that measured as fast as oneDNN's own packed

@@ -10,6 +10,7 @@ import torch
 
 from specedge.registry import ResolvedModel
 from specedge.server import matmul
+from specedge.server.kernels import kernel_array
 from specedge.server.loading import load_target
 from specedge.server.matmul import (
     PackedLinear,
@@ -145,6 +146,14 @@ def test_plain_linear_in_bfloat16_sums_in_float32_and_rounds_once(in_features, o
             torch.testing.assert_close(y.double(), exact.to(torch.bfloat16).double(), atol=1e-5, rtol=2**-7)
         else:  # oneDNN's GEMM on the same plain weight
             torch.testing.assert_close(y.double(), exact, atol=2e-2, rtol=2e-2)
+    # The kernel itself at the rows other CPUs give it (Zen 4 up to 64; with AMX oneDNN takes them from 9 on): its
+    # float32 sums, before the one rounding.
+    kernel = matmul.numba_kernel()
+    for rows in (9, 16, 23, 40, 64):
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+        y = torch.empty(rows, out_features)
+        kernel.matmul(kernel_array(x), kernel_array(linear.weight.detach()), y.numpy())
+        torch.testing.assert_close(y.double(), x.double() @ weight.T, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
