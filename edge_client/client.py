@@ -275,8 +275,9 @@ class EdgeClient:
             raise self._lost_channel(self._epoch)  # between connections: reconnect() is under way
         return self._stub, self._epoch
 
-    async def _call(self, pick: Pick, request, **options):
-        """One unary RPC: `pick` chooses it on the stub of the moment (after the emulated network's delay)."""
+    async def _call(self, pick: Pick, request, *, paced: bool = False, **options):
+        """One unary RPC: `pick` chooses it on the stub of the moment (after the emulated network's delay); `paced`,
+        a round, whose retries queue in the pace (_back_off)."""
         await self._network_delay()
         for attempt in range(MAX_RETRIES + 1):
             stub, epoch = self._current()
@@ -286,7 +287,7 @@ class EdgeClient:
                 break
             except grpc.aio.AioRpcError as exc:
                 if (wait_s := _retry_after_s(exc)) is not None and attempt < MAX_RETRIES:
-                    await asyncio.sleep(wait_s)  # refused before anything happened: the same call again
+                    await self._back_off(wait_s, paced)  # refused before anything happened: the same call again
                     continue
                 raise _explain(exc, self.address, epoch) from None
             except grpc.aio.UsageError:  # "Channel is closed": another answer's reconnect closed it just now
@@ -298,11 +299,21 @@ class EdgeClient:
         await self._network_delay()
         return reply
 
+    async def _back_off(self, wait_s: float, paced: bool) -> None:
+        """Wait out a refusal that said when to come back. A round refused for the server's round rate (paced
+        rounds are refused only when the network held them and delivered several at once) holds the pace until
+        then and queues in it: the answers refused together come back one by one, not all at once, to be refused
+        together again (as they were, three times, until an answer failed)."""
+        if paced and self._pace is not None:
+            self._pace.hold(wait_s)
+            wait_s = self._pace.reserve()
+        await asyncio.sleep(wait_s)
+
     async def _round(self, pick: Pick, request):
         """OpenSession, ContinueSession, Verify: paced to the server's round rate, so it never refuses one."""
         if self._pace is not None and (delay_s := self._pace.reserve()):
             await asyncio.sleep(delay_s)
-        return await self._call(pick, request)
+        return await self._call(pick, request, paced=True)
 
     async def handshake(self) -> ServerInfo:
         request = pb.HandshakeRequest(

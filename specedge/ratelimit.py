@@ -1,7 +1,9 @@
 """A token bucket: `rate` events a second on average, bursts of up to `burst` (torch-free, shared).
 
 The server refuses rounds past an identity's bucket (server/limits.py); the
-edge keeps a bucket of the same shape to pace itself, so it never gets refused.
+edge keeps a bucket of the same shape to pace itself, so it never gets refused,
+unless the network holds its calls and delivers them at once: then the server
+says when to come back, and the edge's bucket holds until then (`hold`).
 
     rate 2/s, burst 3: three calls at t=0 pass, the fourth waits 0.5 s;
     after 1.5 s idle the bucket is full again.
@@ -43,6 +45,12 @@ class TokenBucket:
         self._refill()
         self._tokens -= 1
         return max(0.0, -self._tokens / self.rate)
+
+    def hold(self, seconds: float) -> None:
+        """No token for `seconds` from now, whatever this bucket counted (the server's own bucket ran dry and said
+        when to come back): reservations from now on queue behind that, one 1 / rate apart."""
+        self._refill()
+        self._tokens = min(self._tokens, 1 - seconds * self.rate)
 
     @property
     def is_full(self) -> bool:

@@ -169,6 +169,99 @@ def start_server_process(
     raise RuntimeError("specedge-server did not become ready:\n" + "".join(lines[-20:]))
 
 
+class FlakyLink:
+    """`with FlakyLink("127.0.0.1:P") as link:` forwards TCP from link.address to that address, byte for byte, until
+    `link.flap(seconds)` drops it as a flaky network does: every connection through it is reset, both ways, and for
+    `seconds` nothing answers on its port (a connect is refused); then it forwards again. `link.stall(seconds)`
+    instead holds every byte in flight for that long, as a link that loses packets until TCP's retransmissions get
+    through: the connections survive. The server behind it stays up, with whatever sessions it held."""
+
+    def __init__(self, target: str):
+        self.host, port = target.rsplit(":", 1)
+        self.target_port = int(port)
+        self.port = free_port()
+        self.flaps = 0
+        self._loop = asyncio.new_event_loop()
+        self._listener: asyncio.AbstractServer | None = None
+        self._transports: set[asyncio.BaseTransport] = set()
+        self._flowing: asyncio.Event | None = None  # made on the link's own loop
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _listen(self) -> None:
+        if self._flowing is None:
+            self._flowing = asyncio.Event()
+            self._flowing.set()
+        self._listener = await asyncio.start_server(self._forward, "127.0.0.1", self.port, reuse_address=True)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(self.host, self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._transports |= {writer.transport, upstream_writer.transport}
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    assert self._flowing is not None
+                    await self._flowing.wait()
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.transport.abort()  # one side gone: so is the other, at once
+                self._transports.discard(sink.transport)
+
+        await asyncio.gather(pump(reader, upstream_writer), pump(upstream_reader, writer))
+
+    async def _flap(self, seconds: float) -> None:
+        assert self._listener is not None
+        self._listener.close()
+        for transport in list(self._transports):
+            transport.abort()  # a reset, not a goodbye: neither end learns more than that the link broke
+        self._transports.clear()
+        await asyncio.sleep(seconds)
+        await self._listen()
+        self.flaps += 1
+
+    def flap(self, seconds: float) -> None:
+        """Drop the link for `seconds`; returns once it forwards again."""
+        asyncio.run_coroutine_threadsafe(self._flap(seconds), self._loop).result(timeout=seconds + 30)
+
+    async def _stall(self, seconds: float) -> None:
+        assert self._flowing is not None
+        self._flowing.clear()
+        await asyncio.sleep(seconds)
+        self._flowing.set()
+        self.flaps += 1
+
+    def stall(self, seconds: float) -> None:
+        """Hold every byte for `seconds`, the connections kept; returns once bytes flow again."""
+        asyncio.run_coroutine_threadsafe(self._stall(seconds), self._loop).result(timeout=seconds + 30)
+
+    def __enter__(self) -> FlakyLink:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(timeout=30)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        async def close() -> None:
+            if self._listener is not None:
+                self._listener.close()
+            for transport in list(self._transports):
+                transport.abort()
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+
 class ApiThread:
     """`with ApiThread(runtime_config, serve_config) as api:` runs `specedge-edge serve`'s server on api.base_url."""
 

@@ -13,6 +13,14 @@ Channel is closed`, its stream ending in an error event), and the
 server-only case can fail with CANCELLED (a stream cut by another answer's
 reconnect).
 
+The same four answers then ride out a link that drops for 1.5 s, twice, while
+the server stays up (a TCP proxy between them, harness.FlakyLink): every
+connection reset and refused meanwhile, or every byte held and the connections
+kept. In the second, the speculative answers' held rounds reached the paced
+server at once, and before the fix (main at e9cc96d) one of them failed in each
+of 3 runs with RESOURCE_EXHAUSTED: the refused answers all came back when the
+server said, to be refused together again, until one ran out of retries.
+
 Then the guard itself, step by step (a failure is blamed on the connection
 its call went out on), and the bound on re-opening against a server that
 refuses every session.
@@ -28,7 +36,7 @@ import signal
 import openai
 import pytest
 
-from harness import ApiThread, free_port, start_server_process, tiny_server, wait_healthy
+from harness import ApiThread, FlakyLink, free_port, start_server_process, tiny_server, wait_healthy
 from reference import greedy_decode
 from specedge.edge_client.client import ConnectionConfig, ConnectionLost, EdgeClient, SessionGone
 from specedge.edge_client.generation import generate
@@ -91,73 +99,102 @@ async def sdk_stream(client: openai.AsyncOpenAI, request: dict, progress: Progre
 PACED = ("--max-rounds-per-second", "8", "--round-burst", "1")
 
 
+def server_args(model_dir, server_only_answers: bool) -> tuple[str, ...]:
+    return ("--model", str(model_dir), "--max-context", "512", "--log-level", "warning", "--max-sessions", "4") + (
+        () if server_only_answers else PACED
+    )
+
+
+def four_answers_cut_mid_way(address, cut, tiny_draft_dir, reference_model, server_only_answers, resumes=1) -> int:
+    """Four streamed answers through one `specedge-edge serve` on the server at `address`, `cut()` (in a thread)
+    FLAPS times while they run, each time once every answer still going has streamed CHUNKS_BEFORE_KILL chunks
+    since the last. Asserts that each is the target's greedy answer, resumed at least `resumes` times (0: never),
+    and that each raw stream ends with one [DONE]; returns how many cuts there were."""
+    tokenizer = HFTokenizer(tiny_draft_dir)
+    messages = [[{"role": "user", "content": content}] for content in PROMPTS]
+    eos = set(tokenizer.eos_token_ids)
+    expected = [greedy_decode(reference_model, tokenizer.apply_chat_template(m), MAX_TOKENS, eos) for m in messages]
+    assert [len(e) for e in expected] == [MAX_TOKENS] * len(PROMPTS)  # long enough to be cut mid-way
+    runtime = RuntimeConfig(
+        server=address,
+        draft=str(tiny_draft_dir),
+        policy=SpeculationPolicy(num_draft=4, follow_advice=False),
+        connection=ConnectionConfig(simulated_rtt_ms=20, reconnect_timeout_s=120),
+        num_drafters=len(PROMPTS),
+        server_only=server_only_answers,
+    )
+    with ApiThread(runtime, ServeConfig(port=0)) as api:
+        model = wait_healthy(api.base_url, timeout_s=120)["model"]
+        progress = [Progress() for _ in PROMPTS]
+
+        async def cuts() -> int:
+            for count in range(FLAPS):
+                marks = [p.chunks for p in progress]
+                while not all(p.done or p.chunks - mark >= CHUNKS_BEFORE_KILL for p, mark in zip(progress, marks)):
+                    await asyncio.sleep(0.005)
+                if all(p.done for p in progress):
+                    return count
+                await asyncio.to_thread(cut)
+            return FLAPS
+
+        async def ask_all():
+            async with openai.AsyncOpenAI(
+                base_url=api.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
+            ) as client:
+                requests = [dict(model=model, messages=m, max_tokens=MAX_TOKENS, temperature=0) for m in messages]
+                # Two read raw (to see [DONE]), two through the SDK's own stream parsing.
+                readers = [raw_sse, raw_sse, sdk_stream, sdk_stream]
+                answers = [read(client, r, p) for read, r, p in zip(readers, requests, progress)]
+                return await asyncio.gather(*answers, cuts())
+
+        *answers, count = asyncio.run(asyncio.wait_for(ask_all(), 300))
+    texts, stats, raw = zip(*answers)
+    assert list(texts) == [tokenizer.decode([t for t in e if t not in eos]) for e in expected]
+    assert count >= 1, count
+    assert all(s["resumes"] >= resumes if resumes else s["resumes"] == 0 for s in stats), stats
+    for data in raw[:2]:
+        assert data[-1] == "[DONE]" and data.count("[DONE]") == 1, data[-3:]
+    return count
+
+
 @pytest.mark.parametrize("server_only_answers", [False, True], ids=["speculative", "server-only"])
 def test_four_answers_survive_a_server_restart(tiny_target_dir, tiny_draft_dir, reference_model, server_only_answers):
     port = free_port()
-    server_args = (
-        "--model",
-        str(tiny_target_dir),
-        "--max-context",
-        "512",
-        "--log-level",
-        "warning",
-        *(() if server_only_answers else PACED),
-    )
-    processes = [start_server_process(*server_args, port=port)[0]]
-    address = f"127.0.0.1:{port}"
-    tokenizer = HFTokenizer(tiny_draft_dir)
-    messages = [[{"role": "user", "content": content}] for content in PROMPTS]
+    args = server_args(tiny_target_dir, server_only_answers)
+    processes = [start_server_process(*args, port=port)[0]]
+
+    def restart() -> None:
+        processes[-1].send_signal(signal.SIGKILL)
+        processes[-1].wait()
+        processes.append(start_server_process(*args, port=port)[0])
+
     try:
-        eos = set(tokenizer.eos_token_ids)
-        expected = [greedy_decode(reference_model, tokenizer.apply_chat_template(m), MAX_TOKENS, eos) for m in messages]
-        assert [len(e) for e in expected] == [MAX_TOKENS] * len(PROMPTS)  # long enough to be cut mid-way
-        runtime = RuntimeConfig(
-            server=address,
-            draft=str(tiny_draft_dir),
-            policy=SpeculationPolicy(num_draft=4, follow_advice=False),
-            connection=ConnectionConfig(simulated_rtt_ms=20, reconnect_timeout_s=120),
-            num_drafters=len(PROMPTS),
-            server_only=server_only_answers,
-        )
-        with ApiThread(runtime, ServeConfig(port=0)) as api:
-            model = wait_healthy(api.base_url, timeout_s=120)["model"]
-            progress = [Progress() for _ in PROMPTS]
-
-            def restart() -> None:
-                processes[-1].send_signal(signal.SIGKILL)
-                processes[-1].wait()
-                processes.append(start_server_process(*server_args, port=port)[0])
-
-            async def flap() -> int:
-                """Kill and restart the server mid-answer, FLAPS times (fewer if the answers are over); how often."""
-                for flaps in range(FLAPS):
-                    marks = [p.chunks for p in progress]
-                    while not all(p.done or p.chunks - mark >= CHUNKS_BEFORE_KILL for p, mark in zip(progress, marks)):
-                        await asyncio.sleep(0.005)
-                    if all(p.done for p in progress):
-                        return flaps
-                    await asyncio.to_thread(restart)
-                return FLAPS
-
-            async def ask_all():
-                async with openai.AsyncOpenAI(
-                    base_url=api.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
-                ) as client:
-                    requests = [dict(model=model, messages=m, max_tokens=MAX_TOKENS, temperature=0) for m in messages]
-                    # Two read raw (to see [DONE]), two through the SDK's own stream parsing.
-                    readers = [raw_sse, raw_sse, sdk_stream, sdk_stream]
-                    answers = [read(client, r, p) for read, r, p in zip(readers, requests, progress)]
-                    return await asyncio.gather(*answers, flap())
-
-            *answers, flaps = asyncio.run(asyncio.wait_for(ask_all(), 300))
-        texts, stats, raw = zip(*answers)
-        assert list(texts) == [tokenizer.decode([t for t in e if t not in eos]) for e in expected]
-        assert flaps >= 1 and all(s["resumes"] >= 1 for s in stats), (flaps, stats)  # restarts cut every answer
-        for data in raw[:2]:
-            assert data[-1] == "[DONE]" and data.count("[DONE]") == 1, data[-3:]
+        four_answers_cut_mid_way(f"127.0.0.1:{port}", restart, tiny_draft_dir, reference_model, server_only_answers)
     finally:
         for process in processes:
             process.kill()
+
+
+@pytest.mark.parametrize("drop", ["reset", "stall"])
+@pytest.mark.parametrize("server_only_answers", [False, True], ids=["speculative", "server-only"])
+def test_four_answers_survive_a_link_that_drops_for_a_second(
+    tiny_target_dir, tiny_draft_dir, reference_model, server_only_answers, drop
+):
+    """The server stays up, holding four sessions at most, while the link to it drops for 1.5 s, twice
+    (harness.FlakyLink). `reset`: every connection reset, both ways, and nothing answering meanwhile; each answer
+    reconnects to the same server, whose sessions of the old connection went with its lease (or the new ones would
+    not fit), and goes on. `stall`: every byte held, the connections kept; the answers wait and go on, no reconnect."""
+    process, address = start_server_process(*server_args(tiny_target_dir, server_only_answers), "--max-sessions", "4")
+    try:
+        with FlakyLink(address) as link:
+            cut = (lambda: link.flap(1.5)) if drop == "reset" else (lambda: link.stall(1.5))
+            flaps = four_answers_cut_mid_way(
+                link.address, cut, tiny_draft_dir, reference_model, server_only_answers, int(drop == "reset")
+            )
+            assert link.flaps == flaps
+        assert process.poll() is None  # the same server throughout
+    finally:
+        process.kill()
 
 
 def test_only_the_first_answer_to_notice_a_lost_connection_reconnects(tiny_target_dir, tiny_draft_dir):

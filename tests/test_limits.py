@@ -53,6 +53,19 @@ def test_token_bucket_refills_at_its_rate_and_caps_at_its_burst():
     assert [bucket.reserve() for _ in range(5)] == pytest.approx([0, 0, 0, 0.5, 1.0])  # paced, in debt
 
 
+def test_a_held_token_bucket_queues_reservations_behind_the_hold():
+    """The server said "retry in 0.3 s" to calls that this bucket had let through: they come back one by one."""
+    clock = FakeClock()
+    bucket = TokenBucket(rate=2.0, burst=1, clock=clock)
+    assert bucket.try_take() == 0.0
+    clock.now += 10  # full again, as far as this bucket knows
+    for _ in range(3):  # three calls refused together, each told the same
+        bucket.hold(0.3)
+    assert [bucket.reserve() for _ in range(3)] == pytest.approx([0.3, 0.8, 1.3])
+    bucket.hold(0.1)  # a shorter hold moves nothing: the queue stands
+    assert bucket.reserve() == pytest.approx(1.8)
+
+
 def test_rate_limiter_refuses_per_identity_with_a_retry_hint():
     clock = FakeClock()
     limiter = RoundRateLimiter(RateLimitConfig(rounds_per_s=10, burst=2), clock=clock)
