@@ -100,10 +100,15 @@ def _explain(exc: grpc.aio.AioRpcError, address: str, epoch: int) -> EdgeError:
 
 def _retry_after_s(exc: grpc.aio.AioRpcError) -> float | None:
     """How long a RESOURCE_EXHAUSTED refusal asks us to wait before retrying (capped); None: do not retry."""
-    value = dict(exc.trailing_metadata() or ()).get("retry-after-ms")
+    value = dict(exc.trailing_metadata() or ()).get(wire.RETRY_AFTER_TRAILER)
     if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or not isinstance(value, str) or not value.isdigit():
         return None
     return min(int(value), MAX_RETRY_AFTER_MS) / 1000
+
+
+def _over_round_rate(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the server refused the call for its identity's round rate (not for KV slots or memory)."""
+    return dict(exc.trailing_metadata() or ()).get(wire.LIMIT_TRAILER) == wire.LIMIT_ROUND_RATE
 
 
 def _cancelled_by_caller() -> bool:
@@ -287,7 +292,8 @@ class EdgeClient:
                 break
             except grpc.aio.AioRpcError as exc:
                 if (wait_s := _retry_after_s(exc)) is not None and attempt < MAX_RETRIES:
-                    await self._back_off(wait_s, paced)  # refused before anything happened: the same call again
+                    # Refused before anything happened: the same call again.
+                    await self._back_off(wait_s, paced and _over_round_rate(exc))
                     continue
                 raise _explain(exc, self.address, epoch) from None
             except grpc.aio.UsageError:  # "Channel is closed": another answer's reconnect closed it just now
@@ -299,12 +305,13 @@ class EdgeClient:
         await self._network_delay()
         return reply
 
-    async def _back_off(self, wait_s: float, paced: bool) -> None:
+    async def _back_off(self, wait_s: float, over_rate: bool) -> None:
         """Wait out a refusal that said when to come back. A round refused for the server's round rate (paced
-        rounds are refused only when the network held them and delivered several at once) holds the pace until
+        rounds are refused so only when the network held them and delivered several at once) holds the pace until
         then and queues in it: the answers refused together come back one by one, not all at once, to be refused
-        together again (as they were, three times, until an answer failed)."""
-        if paced and self._pace is not None:
+        together again (as they were, three times, until an answer failed). Other refusals (no KV slot free) wait
+        alone: the other answers' rounds are not held for them."""
+        if over_rate and self._pace is not None:
             self._pace.hold(wait_s)
             wait_s = self._pace.reserve()
         await asyncio.sleep(wait_s)

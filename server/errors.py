@@ -12,9 +12,10 @@ import grpc
 class ServiceError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, *, retry_after_s: float | None = None):
+    def __init__(self, message: str, *, retry_after_s: float | None = None, limit: str | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s  # sent as the `retry-after-ms` trailer
+        self.limit = limit  # which limit refused, sent as the `specedge-limit` trailer (wire.LIMIT_ROUND_RATE)
 
 
 class InvalidArgument(ServiceError):

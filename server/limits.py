@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Callable
 
+from specedge import wire
 from specedge.ratelimit import TokenBucket
 from specedge.server import errors
 
@@ -66,6 +67,7 @@ class RoundRateLimiter:
                 f"rate limit: at most {self.config.rounds_per_s:g} rounds per second per identity "
                 f"(bursts of {self.config.burst}); retry in {math.ceil(wait_s * 1000)} ms",
                 retry_after_s=wait_s,
+                limit=wire.LIMIT_ROUND_RATE,
             )
 
     def delay(self, identity: str) -> float:

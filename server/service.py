@@ -40,8 +40,13 @@ def _rpc(handler):
 
     async def abort_for(exc: BaseException, context: grpc.aio.ServicerContext):
         if isinstance(exc, errors.ServiceError):
+            trailers = []
             if exc.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after-ms", str(math.ceil(exc.retry_after_s * 1000))),))
+                trailers.append((wire.RETRY_AFTER_TRAILER, str(math.ceil(exc.retry_after_s * 1000))))
+            if exc.limit is not None:
+                trailers.append((wire.LIMIT_TRAILER, exc.limit))
+            if trailers:
+                context.set_trailing_metadata(tuple(trailers))
             await context.abort(exc.code, str(exc))
         if is_oom(exc):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the server ran out of memory; retry later")

@@ -19,6 +19,11 @@ from specedge.types import FinishReason, SamplingParams, SparseDist
 from specedge.v1 import specedge_pb2 as pb
 
 PROTOCOL_VERSION = 1
+# Trailers of a RESOURCE_EXHAUSTED refusal: how long to wait before the same call again, and which limit refused
+# (LIMIT_ROUND_RATE: the identity's round rate, which the edge paces itself to).
+RETRY_AFTER_TRAILER = "retry-after-ms"
+LIMIT_TRAILER = "specedge-limit"
+LIMIT_ROUND_RATE = "round-rate"
 
 
 def fingerprint_to_proto(fp: TokenizerFingerprint) -> pb.TokenizerFingerprint:

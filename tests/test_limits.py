@@ -197,6 +197,9 @@ def test_each_limit_refuses_with_a_precise_status(limited, fingerprint):
     for name, (code, fragment) in expected.items():
         assert codes[name][0] == code and fragment in codes[name][1], (name, codes[name])
     assert 0 < int(codes["round past the rate"][2]["retry-after-ms"]) <= 1000 / RATE + 1
+    # Which limit refused: the edge paces its answers' retries together for this one (edge_client/client.py).
+    assert codes["round past the rate"][2]["specedge-limit"] == "round-rate"
+    assert "specedge-limit" not in codes["third session of one identity"][2]
     assert [code for code, *_ in first_rounds] == [grpc.StatusCode.NOT_FOUND] * BURST
     refused = limited.server.stats.snapshot()["requests_refused"]
     assert refused["rate_limited"] - refused_before.get("rate_limited", 0) == 1
