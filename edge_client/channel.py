@@ -43,9 +43,22 @@ class ChannelSecurity:
         return cls(token=token or os.environ.get(TOKEN_ENV) or None, **tls)
 
 
-def open_channel(address: str, security: ChannelSecurity = ChannelSecurity()) -> grpc.aio.Channel:
-    """A channel on its own TCP connection (the server binds tokenless sessions to the connection)."""
-    options = [("grpc.use_local_subchannel_pool", 1)]
+def open_channel(
+    address: str, security: ChannelSecurity = ChannelSecurity(), keepalive: tuple[float, float] | None = None
+) -> grpc.aio.Channel:
+    """A channel on its own TCP connection (the server binds tokenless sessions to the connection). `keepalive`:
+    (interval, timeout) in seconds: ping the server that often, and give the connection up as dead when a ping goes
+    unanswered that long, so that calls on a connection whose path died fail as lost (UNAVAILABLE) instead of
+    waiting out their deadline."""
+    options: list[tuple[str, int]] = [("grpc.use_local_subchannel_pool", 1)]
+    if keepalive is not None:
+        interval_ms, timeout_ms = (round(seconds * 1000) for seconds in keepalive)
+        options += [
+            ("grpc.keepalive_time_ms", interval_ms),
+            ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms),  # as the server's transport: arms the wait for the answer
+            ("grpc.http2.max_pings_without_data", 0),  # an idle lease is still a connection to watch
+        ]
     if not security.uses_tls and security.token is None:
         return grpc.aio.insecure_channel(address, options=options)
     if security.uses_tls:

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 MAX_RETRIES = 3  # of a call refused with RESOURCE_EXHAUSTED and a retry-after-ms trailer
 MAX_RETRY_AFTER_MS = 10_000
+MIN_PING_INTERVAL_S = wire.MIN_PING_INTERVAL_S
 # Chooses the RPC on the stub of the moment (`lambda stub: stub.Verify`): a call goes out on the connection
 # that is current when it is issued, not the one current when it was queued behind a delay.
 Pick = Callable[[specedge_pb2_grpc.SpecEdgeStub], Callable]
@@ -70,6 +71,12 @@ class ConnectionConfig:
     rpc_timeout_s: float = 120.0  # per RPC; a verify round normally takes well under a second
     # After a lost connection: how long to keep trying to reconnect (backing off from 0.1 s to 5 s) and resume.
     reconnect_timeout_s: float = 30.0
+    # Ping the server this often, and count the connection lost when a ping goes unanswered this long: a path that
+    # died silently (a NAT that forgot the connection, a laptop on another network) is found in seconds, and the
+    # answers resume, where each call used to wait out rpc_timeout_s and fail. The server accepts pings every
+    # second or more (server/transport.py).
+    keepalive_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
     # An emulated network, injected on the edge side: each RPC waits rtt/2 each
     # way, plus uniform jitter in [0, jitter].
     simulated_rtt_ms: float = 0.0
@@ -80,6 +87,11 @@ class ConnectionConfig:
             raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
         if min(self.simulated_rtt_ms, self.simulated_jitter_ms, self.reconnect_timeout_s) < 0:
             raise ValueError("simulated delays and the reconnect timeout must be >= 0")
+        if not (self.keepalive_s >= MIN_PING_INTERVAL_S and self.keepalive_timeout_s > 0):
+            raise ValueError(
+                f"keepalive must ping every {MIN_PING_INTERVAL_S:g} s or less often (servers refuse more), "
+                "with a timeout > 0"
+            )
 
 
 def _explain(exc: grpc.aio.AioRpcError, address: str, epoch: int) -> EdgeError:
@@ -160,7 +172,8 @@ class EdgeClient:
         if self.choose_address is not None:
             self.address = await self.choose_address()
             self._left = asyncio.get_running_loop().create_future()
-        self._channel = open_channel(self.address, self.config.security)
+        keepalive = (self.config.keepalive_s, self.config.keepalive_timeout_s)
+        self._channel = open_channel(self.address, self.config.security, keepalive)
         self._stub = specedge_pb2_grpc.SpecEdgeStub(self._channel)
         await self.handshake()
         # The connection's lease: if this process dies, the server frees our slots at once.

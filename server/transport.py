@@ -11,6 +11,7 @@ import dataclasses
 
 import grpc
 
+from specedge import wire
 from specedge.net import is_loopback
 
 
@@ -23,8 +24,8 @@ class TransportConfig:
     max_message_bytes: int = 1 << 20  # largest request or reply; larger is RESOURCE_EXHAUSTED
     max_concurrent_rpcs: int = 1024  # calls in progress (Attach streams included); more is RESOURCE_EXHAUSTED
     idle_connection_timeout_s: float | None = 600.0  # close a connection with no call in progress; None: never
-    keepalive_s: float = 60.0  # ping a connection with a call in progress this often (finds vanished peers)
-    keepalive_timeout_s: float = 20.0  # a ping unanswered this long closes the connection
+    keepalive_s: float = 20.0  # ping a connection with a call in progress this often (finds vanished peers)
+    keepalive_timeout_s: float = 10.0  # a ping unanswered this long closes the connection (and frees its sessions)
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -60,6 +61,9 @@ class TransportConfig:
             ("grpc.http2.ping_timeout_ms", round(self.keepalive_timeout_s * 1000)),
             # An Attach stream sends no data for hours; pings must go on regardless (gRPC stops after 2 by default).
             ("grpc.http2.max_pings_without_data", 0),
+            # Edges ping too (their keepalive finds a dead path from their side); gRPC's default takes a ping more
+            # often than every 5 minutes without data as abuse.
+            ("grpc.http2.min_ping_interval_without_data_ms", round(wire.MIN_PING_INTERVAL_S * 1000)),
         ]
         if self.idle_connection_timeout_s is not None:
             options.append(("grpc.max_connection_idle_ms", round(self.idle_connection_timeout_s * 1000)))

@@ -24,6 +24,9 @@ PROTOCOL_VERSION = 1
 RETRY_AFTER_TRAILER = "retry-after-ms"
 LIMIT_TRAILER = "specedge-limit"
 LIMIT_ROUND_RATE = "round-rate"
+# The shortest keepalive interval a server accepts from an edge (faster pings count as abuse, and the server closes
+# the connection after two).
+MIN_PING_INTERVAL_S = 1.0
 
 
 def fingerprint_to_proto(fp: TokenizerFingerprint) -> pb.TokenizerFingerprint:

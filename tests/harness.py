@@ -185,6 +185,7 @@ class FlakyLink:
         self._listener: asyncio.AbstractServer | None = None
         self._transports: set[asyncio.BaseTransport] = set()
         self._flowing: asyncio.Event | None = None  # made on the link's own loop
+        self._dead: set[asyncio.BaseTransport] = set()  # connections whose bytes vanish (`sever`)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     @property
@@ -210,12 +211,15 @@ class FlakyLink:
                 while data := await source.read(65536):
                     assert self._flowing is not None
                     await self._flowing.wait()
+                    if sink.transport in self._dead:
+                        continue  # lost on the way: neither end hears of it
                     sink.write(data)
                     await sink.drain()
             except (ConnectionError, OSError):
                 pass
             finally:
-                sink.transport.abort()  # one side gone: so is the other, at once
+                if sink.transport not in self._dead:  # a dead path loses the news of a close too
+                    sink.transport.abort()  # one side gone: so is the other, at once
                 self._transports.discard(sink.transport)
 
         await asyncio.gather(pump(reader, upstream_writer), pump(upstream_reader, writer))
@@ -244,6 +248,15 @@ class FlakyLink:
     def stall(self, seconds: float) -> None:
         """Hold every byte for `seconds`, the connections kept; returns once bytes flow again."""
         asyncio.run_coroutine_threadsafe(self._stall(seconds), self._loop).result(timeout=seconds + 30)
+
+    async def _sever(self) -> None:
+        self._dead |= self._transports
+        self.flaps += 1
+
+    def sever(self) -> None:
+        """Lose every byte of every connection open now, for good, telling neither end, while new connections work:
+        a network path that died under its connections (a NAT that forgot them, a laptop that moved networks)."""
+        asyncio.run_coroutine_threadsafe(self._sever(), self._loop).result(timeout=30)
 
     def __enter__(self) -> FlakyLink:
         self._thread.start()

@@ -21,6 +21,10 @@ server at once, and before the fix (main at e9cc96d) one of them failed in each
 of 3 runs with RESOURCE_EXHAUSTED: the refused answers all came back when the
 server said, to be refused together again, until one ran out of retries.
 
+And a path that dies under its connections, neither end told: the edge's
+keepalive pings find it (before them, each call waited out its 120 s deadline and
+the answer failed), and the server takes an edge's pings every second.
+
 Then the guard itself, step by step (a failure is blamed on the connection
 its call went out on), and the bound on re-opening against a server that
 refuses every session.
@@ -105,11 +109,14 @@ def server_args(model_dir, server_only_answers: bool) -> tuple[str, ...]:
     )
 
 
-def four_answers_cut_mid_way(address, cut, tiny_draft_dir, reference_model, server_only_answers, resumes=1) -> int:
+def four_answers_cut_mid_way(
+    address, cut, tiny_draft_dir, reference_model, server_only_answers, resumes=1, keepalive_s=20.0
+) -> int:
     """Four streamed answers through one `specedge-edge serve` on the server at `address`, `cut()` (in a thread)
     FLAPS times while they run, each time once every answer still going has streamed CHUNKS_BEFORE_KILL chunks
     since the last. Asserts that each is the target's greedy answer, resumed at least `resumes` times (0: never),
-    and that each raw stream ends with one [DONE]; returns how many cuts there were."""
+    and that each raw stream ends with one [DONE]; returns how many cuts there were. The edge pings the server
+    every `keepalive_s` and gives a connection up when a ping goes unanswered as long."""
     tokenizer = HFTokenizer(tiny_draft_dir)
     messages = [[{"role": "user", "content": content}] for content in PROMPTS]
     eos = set(tokenizer.eos_token_ids)
@@ -119,7 +126,9 @@ def four_answers_cut_mid_way(address, cut, tiny_draft_dir, reference_model, serv
         server=address,
         draft=str(tiny_draft_dir),
         policy=SpeculationPolicy(num_draft=4, follow_advice=False),
-        connection=ConnectionConfig(simulated_rtt_ms=20, reconnect_timeout_s=120),
+        connection=ConnectionConfig(
+            simulated_rtt_ms=20, reconnect_timeout_s=120, keepalive_s=keepalive_s, keepalive_timeout_s=keepalive_s
+        ),
         num_drafters=len(PROMPTS),
         server_only=server_only_answers,
     )
@@ -175,26 +184,61 @@ def test_four_answers_survive_a_server_restart(tiny_target_dir, tiny_draft_dir, 
             process.kill()
 
 
-@pytest.mark.parametrize("drop", ["reset", "stall"])
+@pytest.mark.parametrize("drop", ["reset", "stall", "sever"])
 @pytest.mark.parametrize("server_only_answers", [False, True], ids=["speculative", "server-only"])
 def test_four_answers_survive_a_link_that_drops_for_a_second(
     tiny_target_dir, tiny_draft_dir, reference_model, server_only_answers, drop
 ):
-    """The server stays up, holding four sessions at most, while the link to it drops for 1.5 s, twice
-    (harness.FlakyLink). `reset`: every connection reset, both ways, and nothing answering meanwhile; each answer
-    reconnects to the same server, whose sessions of the old connection went with its lease (or the new ones would
-    not fit), and goes on. `stall`: every byte held, the connections kept; the answers wait and go on, no reconnect."""
-    process, address = start_server_process(*server_args(tiny_target_dir, server_only_answers), "--max-sessions", "4")
+    """The server stays up while the link to it breaks, twice mid-answer (harness.FlakyLink). `reset`: every
+    connection reset, both ways, and nothing answering for 1.5 s; each answer reconnects to the same server, whose
+    sessions of the old connection went with its lease (it holds four at most: the new ones would not fit
+    otherwise), and goes on. `stall`: every byte held for 1.5 s, the connections kept; the answers wait and go on,
+    no reconnect. `sever`: every byte of the open connections lost for good, and neither end told, as when a path
+    dies under them; the edge, pinging every second, finds its connection dead within two, and the answers resume
+    on a new one (before the edge pinged, each call waited out its deadline, and the answer failed). The server
+    finds the old connections dead only by its own pings (every 20 s), so it has room for their sessions too."""
+    sessions = {"reset": "4", "stall": "4", "sever": "12"}[drop]
+    args = (*server_args(tiny_target_dir, server_only_answers), "--max-sessions", sessions)
+    process, address = start_server_process(*args)
     try:
         with FlakyLink(address) as link:
-            cut = (lambda: link.flap(1.5)) if drop == "reset" else (lambda: link.stall(1.5))
+            cut = {"reset": lambda: link.flap(1.5), "stall": lambda: link.stall(1.5), "sever": link.sever}[drop]
             flaps = four_answers_cut_mid_way(
-                link.address, cut, tiny_draft_dir, reference_model, server_only_answers, int(drop == "reset")
+                link.address,
+                cut,
+                tiny_draft_dir,
+                reference_model,
+                server_only_answers,
+                resumes=int(drop != "stall"),
+                keepalive_s=1.0 if drop == "sever" else 20.0,
             )
             assert link.flaps == flaps
         assert process.poll() is None  # the same server throughout
     finally:
         process.kill()
+
+
+def test_an_edge_pinging_every_second_keeps_its_connection(tiny_target_dir, tiny_draft_dir):
+    """The server takes the edge's keepalive pings as often as every second (wire.MIN_PING_INTERVAL_S), with no
+    data between them: gRPC's own default counts a ping more often than every five minutes as abuse and closes the
+    connection after the third, which the edge would take for a lost connection."""
+    tokenizer = HFTokenizer(tiny_draft_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
+    config = ConnectionConfig(keepalive_s=1.0, keepalive_timeout_s=1.0)
+
+    async def run(server):
+        async with EdgeClient(server.address, tokenizer.fingerprint, config=config) as client:
+            opened = await client.open_session(prompt, 8, SamplingParams(), None)
+            lease, epoch = client._lease, client._epoch
+            await asyncio.sleep(5)  # five pings, nothing else on the connection
+            assert not lease.done() and client._epoch == epoch
+            reply = await client.verify(opened.session_id, DraftRound((), num_generated=1))
+            assert reply.token_ids and opened.session_id in server.server.engine.sessions
+        with pytest.raises(ValueError, match="every 1 s or less often"):
+            ConnectionConfig(keepalive_s=0.5)
+
+    with tiny_server(tiny_target_dir) as server:
+        asyncio.run(run(server))
 
 
 def test_only_the_first_answer_to_notice_a_lost_connection_reconnects(tiny_target_dir, tiny_draft_dir):
