@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 MAX_RETRIES = 3  # of a call refused with RESOURCE_EXHAUSTED and a retry-after-ms trailer
 MAX_RETRY_AFTER_MS = 10_000
-MIN_PING_INTERVAL_S = wire.MIN_PING_INTERVAL_S
 # Chooses the RPC on the stub of the moment (`lambda stub: stub.Verify`): a call goes out on the connection
 # that is current when it is issued, not the one current when it was queued behind a delay.
 Pick = Callable[[specedge_pb2_grpc.SpecEdgeStub], Callable]
@@ -87,9 +86,9 @@ class ConnectionConfig:
             raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
         if min(self.simulated_rtt_ms, self.simulated_jitter_ms, self.reconnect_timeout_s) < 0:
             raise ValueError("simulated delays and the reconnect timeout must be >= 0")
-        if not (self.keepalive_s >= MIN_PING_INTERVAL_S and self.keepalive_timeout_s > 0):
+        if not (self.keepalive_s >= wire.MIN_PING_INTERVAL_S and self.keepalive_timeout_s > 0):
             raise ValueError(
-                f"keepalive must ping every {MIN_PING_INTERVAL_S:g} s or less often (servers refuse more), "
+                f"keepalive must ping every {wire.MIN_PING_INTERVAL_S:g} s or less often (servers refuse more), "
                 "with a timeout > 0"
             )
 

@@ -18,6 +18,7 @@ alone) hands the rest of the answer to the server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -56,6 +57,9 @@ SLOW_FALLBACK_MIN_ROUNDS = 4  # rounds measured before deciding drafting does no
 # Sessions lost in a row with no token committed in between before the answer gives up: a server that
 # answers the handshake but refuses every session (draining, with nowhere else to go) must not loop forever.
 MAX_FRUITLESS_RECOVERIES = 3
+# How often an answer being resumed asks again a server that has no room for its new session: its lost connection's
+# own sessions may hold the room until the server finds that connection dead (by its pings, within 30 s).
+ROOM_RETRY_S = 1.0
 
 
 async def generate(
@@ -108,6 +112,7 @@ class Generation:
         self._server_ms_per_round: float | None = None  # smoothed, for the slow-draft fallback
         self._max_draft_nodes = 0  # the server's limit, learnt when the session opens
         self._fruitless_recoveries = 0  # since the last committed token
+        self._lost_at: float | None = None  # when the session being resumed was lost (None: not resuming)
 
     async def run(self) -> GenerationResult:
         started = time.perf_counter()
@@ -152,6 +157,9 @@ class Generation:
                 except Lost as exc:
                     ready = None
                     await self._recover(exc)
+                except EdgeError as exc:
+                    if not await self._room_for_resuming(exc):
+                        raise
         finally:
             await worker.close()
 
@@ -325,6 +333,8 @@ class Generation:
         if self._fruitless_recoveries > MAX_FRUITLESS_RECOVERIES:
             raise lost
         log.warning("lost the session (%s); resuming", lost)
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
         self.stats.resumes += 1
         self.session_id = None
         if self.conversation is not None:
@@ -354,6 +364,20 @@ class Generation:
                             break
             except Lost as exc:
                 await self._recover(exc)
+            except EdgeError as exc:
+                if not await self._room_for_resuming(exc):
+                    raise
+
+    async def _room_for_resuming(self, refused: EdgeError) -> bool:
+        """Whether to ask again after `refused`: an answer being resumed that the server has no room for waits
+        ROOM_RETRY_S and tries again, until the reconnect timeout since the loss; a new answer is told at once."""
+        if refused.status != "RESOURCE_EXHAUSTED" or self._lost_at is None:
+            return False
+        if time.monotonic() + ROOM_RETRY_S > self._lost_at + self.client.config.reconnect_timeout_s:
+            return False
+        log.info("no room yet on the server to resume (%s); asking again", refused)
+        await asyncio.sleep(ROOM_RETRY_S)
+        return True
 
     def _sampling(self) -> tuple[SamplingParams, int | None]:
         return self.policy.sampling, self.policy.seed
@@ -361,6 +385,7 @@ class Generation:
     def _commit(self, token_ids: Sequence[int], finish: FinishReason) -> None:
         if token_ids:
             self._fruitless_recoveries = 0
+            self._lost_at = None
         self.tokens += token_ids
         self.finish = finish
         if self.on_tokens(token_ids) and self.finish is FinishReason.NONE:

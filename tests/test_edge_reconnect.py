@@ -195,10 +195,10 @@ def test_four_answers_survive_a_link_that_drops_for_a_second(
     otherwise), and goes on. `stall`: every byte held for 1.5 s, the connections kept; the answers wait and go on,
     no reconnect. `sever`: every byte of the open connections lost for good, and neither end told, as when a path
     dies under them; the edge, pinging every second, finds its connection dead within two, and the answers resume
-    on a new one (before the edge pinged, each call waited out its deadline, and the answer failed). The server
-    finds the old connections dead only by its own pings (every 20 s), so it has room for their sessions too."""
-    sessions = {"reset": "4", "stall": "4", "sever": "12"}[drop]
-    args = (*server_args(tiny_target_dir, server_only_answers), "--max-sessions", sessions)
+    on a new one (before the edge pinged, each call waited out its deadline, and the answer failed). The server,
+    full, finds the old connections dead only by its own pings (within 30 s), and the answers being resumed ask
+    again until it has room (before, each failed with RESOURCE_EXHAUSTED after three tries)."""
+    args = (*server_args(tiny_target_dir, server_only_answers), "--max-sessions", "4")
     process, address = start_server_process(*args)
     try:
         with FlakyLink(address) as link:
