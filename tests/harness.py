@@ -174,7 +174,9 @@ class FlakyLink:
     `link.flap(seconds)` drops it as a flaky network does: every connection through it is reset, both ways, and for
     `seconds` nothing answers on its port (a connect is refused); then it forwards again. `link.stall(seconds)`
     instead holds every byte in flight for that long, as a link that loses packets until TCP's retransmissions get
-    through: the connections survive. The server behind it stays up, with whatever sessions it held."""
+    through: the connections survive. `link.sever()` loses every byte of the connections open then, for good, and
+    tells neither end, while new connections go through. The server behind it stays up, with whatever sessions it
+    held."""
 
     def __init__(self, target: str):
         self.host, port = target.rsplit(":", 1)
