@@ -53,7 +53,7 @@ from torch.nn import functional as F
 from specedge import noise
 from specedge.registry import ResolvedModel, resolve
 from specedge.server.draws import RowDraw, draw_rows
-from specedge.server.kernels import FLUSH_BYTES, cpu_name, in_turn_ms
+from specedge.server.kernels import cache_flush, cpu_name, in_turn_ms
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import (
     PackedLinear,
@@ -316,7 +316,7 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
     this size (55 MB for the 1.5B) otherwise stays partly in a 32 MB L3 from one call to the next.
     """
     linear = torch.nn.Linear(in_features, out_features, bias=False).to(dtype).eval()
-    flush = torch.ones(FLUSH_BYTES // 4).sum  # before each call: its weight leaves the L3
+    flush = cache_flush()  # before each call: its weight leaves the L3
     kernels: dict[str, Callable[[torch.Tensor], torch.Tensor] | str] = {"eager": linear}
     why_not = onednn_unavailable(torch.device("cpu"), dtype)
     kernels["onednn@1"] = why_not or PackedLinear(linear.weight, None, rows=1)
@@ -651,7 +651,14 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
     a row (random values): the numba kernel against the row loop's SDPA calls and, on AVX-512 CPUs, against the
     kernel through the attention tiles or loops this process does not take (attention.tiles_here(); "other"),
     all taken in turn; ms (medians)."""
-    from specedge.server.attention import compiled_rows, numba_kernel, numba_unavailable, row_attention, tiles_here
+    from specedge.server.attention import (
+        TILE_FORMS,
+        compiled_rows,
+        numba_kernel,
+        numba_unavailable,
+        row_attention,
+        tiles_here,
+    )
     from specedge.server.tree import ancestor_mask
 
     shape = {"heads": args.num_heads, "kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
@@ -660,7 +667,8 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
     kernel = numba_kernel()
     assert kernel is not None, "numba_unavailable said the kernel runs"
     tiled = tiles_here()
-    other = ("loops" if tiled else "tiles") if kernel.AVX512 else None
+    chosen, not_chosen = TILE_FORMS if tiled else TILE_FORMS[::-1]
+    other = not_chosen if kernel.AVX512 else None
     rows = []
     generator = torch.Generator().manual_seed(0)
     for cached in keys:
@@ -692,7 +700,7 @@ def attention_kernels(args: ModelArgs, keys: tuple[int, ...], dtype: torch.dtype
                 paths[other] = functools.partial(row_attention, *on, dataclasses.replace(layout, tiles=not tiled))
             times = in_turn_ms(paths, repeats)
             rows.append({"step": name, "cached": cached, **{p: statistics.median(t) for p, t in times.items()}})
-    return {**shape, "numba": "tiles" if tiled else "loops", "other": other, "rows": rows}
+    return {**shape, "numba": chosen, "other": other, "rows": rows}
 
 
 def _mlp_shape(resolved: ResolvedModel) -> tuple[int, int]:

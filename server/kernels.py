@@ -127,12 +127,17 @@ def timed_ms(
     """Each form's time summed over `cases` (each: every form's call by name), medians of `repeats` taken in
     turn, with flush_bytes read before each call, as a forward's products read their weights after others
     flushed the cache."""
-    flush = torch.ones(flush_bytes // 4).sum if flush_bytes else None
+    flush = cache_flush(flush_bytes) if flush_bytes else None
     total: dict[str, float] = {}
     for calls in cases:
         for name, times in in_turn_ms(calls, repeats, flush).items():
             total[name] = total.get(name, 0.0) + statistics.median(times)
     return total
+
+
+def cache_flush(nbytes: int = FLUSH_BYTES) -> Callable[[], object]:
+    """A call that reads `nbytes` of its own, so that what a timed call reads next comes from memory."""
+    return torch.ones(nbytes // 4).sum
 
 
 def cpu_name() -> str:

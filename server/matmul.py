@@ -14,8 +14,8 @@
   bfloat16, the weights stay row-major, as loaded, in one copy (a tied LM head
   reads the embedding table itself). A
   product of up to `numba_max_rows()` rows (48 on AVX2, 56 on AVX-512, 40 in
-  bfloat16, 8 where AMX runs oneDNN's; on Zen 4 120, and 64 in bfloat16), every decode step's and most
-  verify steps', runs a numba kernel that streams the weights at memory speed
+  bfloat16, 8 where AMX runs oneDNN's; on Zen 4 120, and 64 in bfloat16),
+  every decode step's and most verify steps', runs a numba kernel that streams the weights at memory speed
   (server/_forward_numba.py); a larger one (prefill) runs oneDNN's GEMM on the
   same plain weights. On a Xeon that measured as fast as oneDNN's own packed
   layout (in float32); on a Zen 4 EPYC it took 1.04-1.16x the packed layout's
