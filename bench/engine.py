@@ -10,8 +10,8 @@ Measured one after the other in this process (CPU only):
    the same weight at the small M of verify rounds (--kernel-m) on these kernels: eager, oneDNN-packed (laid
    out for 1-row and for 16-row batches; the server packs for server/matmul.py's layout_rows()),
    inductor's compiled product with frozen weights (the alternative the packed path was chosen over), the
-   numba path's product and, on AVX-512 CPUs in float32, the numba product it does not run (the plain kernel
-   where the panels run, the panels where they do not: the machine's choice, matmul.panels_here());
+   numba path's product and, on AVX-512 CPUs, the numba product it does not run (the plain kernel where the
+   panels run, the panels where they do not: the machine's choice for the dtype, matmul.panels_here());
 2. each step's forward on each --matmul path, in ms and as a multiple of its roofline, max(weight bytes /
    bandwidth, FLOPs / peak GEMM rate), both limits measured in step 1; where attention is compiled (numba,
    the CPU float32 default), each forward also on the row loop, and where layers are compiled (numba) also
@@ -293,7 +293,7 @@ def _products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.
     if onednn_unavailable(torch.device("cpu"), weight.dtype) is None:
         paths["onednn"] = PackedLinear(weight, None)
     if numba_unavailable(torch.device("cpu"), weight.dtype) is None:
-        # Panels (float32 where panels_here()) at every M; plain weights past numba_max_rows() run oneDNN's GEMM.
+        # Panels (where panels_here(dtype)) at every M; plain weights past numba_max_rows() run oneDNN's GEMM.
         paths["numba"] = numba_projection(weight.dtype)(weight, None)
     return paths
 
@@ -308,7 +308,7 @@ def _peak_product(gemm: dict, dtype: torch.dtype) -> tuple[Callable[[], object],
 
 def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dtype: torch.dtype, repeats: int) -> dict:
     """ms of y = x W^T at each small M on eager, oneDNN-packed (for 1 row, and for 16), inductor-frozen and numba
-    kernels (the numba path's product and, in float32 on AVX-512, the one it does not run, taken in turn).
+    kernels (the numba path's product and, on AVX-512, the one it does not run, taken in turn).
 
     Inductor compiles the product as it would inside the model under freezing (its own packed weight, one
     compile per M, none counted in the times); a kernel that cannot run here says why instead. Each timed call
@@ -354,10 +354,10 @@ def matrix_kernels(out_features: int, in_features: int, ms: tuple[int, ...], dty
 
 
 def _other_numba_product(dtype: torch.dtype) -> tuple[str, type[nn.Module]] | None:
-    """The numba product the numba path does not run, where it can run here (float32 on an AVX-512 CPU): the
-    plain kernel where this process runs the panels (matmul.panels_here()), else the panels, so that every such
-    machine's run times both in turn."""
-    if dtype != torch.float32 or numba_unavailable(torch.device("cpu"), dtype) or panel_kernel() is None:
+    """The numba product the numba path does not run, where it can run here (an AVX-512 CPU): the plain kernel
+    where this process runs the panels (matmul.panels_here(dtype)), else the panels, so that every such machine's
+    run times both in turn."""
+    if numba_unavailable(torch.device("cpu"), dtype) or panel_kernel(dtype) is None:
         return None
     return ("numba plain", PlainLinear) if numba_projection(dtype) is PanelLinear else ("numba panels", PanelLinear)
 

@@ -261,11 +261,27 @@ _STRIPES = 64  # runs of blocks the chunked passes share among the threads
 # products in turn with `matmul` on the plain weights, on a 2-core Xeon: M = 1-5 0.95-0.98x the time, 8 0.86-0.96x,
 # 12-16 0.83-0.90x, 24 0.71x, 40 0.72-0.75x; against oneDNN's GEMM at 120-512 rows 0.85-1.00x its time at K = 1536,
 # 0.94-1.09x at K = 8960. Whole forwards 8 x 5 0.86x, 16 x 5 0.85x, 8 x 1 0.93x, 1 x 1 and 1 x 5 0.98x, a 155-token
-# prefill 0.99x, 512 tokens 1.02x (docs/engine-cpu.md). bfloat16's products, and float32's on Zen 4 (untimed with
-# panels, whose plain kernel was tuned there) and on AVX2, run `matmul` over the plain weights: the default a machine's
-# first start keeps unless the plain weights run clearly faster (or, on Zen 4, the panels do).
+# prefill 0.99x, 512 tokens 1.02x (docs/engine-cpu.md). float32's products on Zen 4 (untimed with panels, whose plain
+# kernel was tuned there) and on AVX2 run `matmul` over the plain weights: the default a machine's first start keeps
+# unless the plain weights run clearly faster (or, on Zen 4, the panels do).
 PANELS = _AVX512 and not _ZEN_AVX512
+# bfloat16's products run the panels too, by default, on AVX-512 CPUs without AMX but Zen 4: their tiles widen each
+# weight to float32 (exactly: a shift and a mask) and sum with FMAs, where the plain kernel and oneDNN's GEMM use
+# vdpbf16ps, which on a 2-core Xeon without AMX runs half the FMA's products a cycle (1.26 G instructions a second
+# a core, of 32 products, against 5.2 G FMAs of 16). There, over [M, 1536] x [1536, 8960] in turn with the plain
+# kernel: M = 1 0.88-0.90x the time, 2-5 0.89-0.99x, 8 0.83-0.89x, 16 0.67-0.75x, 40 0.57-0.67x (oneDNN's GEMM on
+# the plain rows is no faster past 40); whole forwards of the 1.5B 1 x 1 1.00-1.01x, 8 x 1 0.90-0.92x, 8 x 5 0.64x,
+# 16 x 5 0.67x, 7 x 5 + p120 0.69x (docs/engine-cpu.md). Not on Zen 4, whose vdpbf16ps runs at the FMA's rate and
+# whose plain kernel was tuned there, nor with AMX, whose tiles take the plain rows' larger products in oneDNN's
+# GEMM; the first start times the other form there too.
+PANELS_BFLOAT16 = PANELS and not _AMX
 PANEL = 4 * _LANES  # a panel's columns: four vectors
+# bfloat16 panels store each 2 x lanes columns as pairs, column c and c + lanes of the group side by side, so that a
+# step's loads widen to its vectors of columns in order. PANEL_BFLOAT16_ORDER[s]: the panel's column stored at s.
+_GROUP_COLUMNS = 2 * _LANES  # a load's columns: a vector of pairs
+PANEL_BFLOAT16_ORDER = np.array(
+    [_GROUP_COLUMNS * (s // _GROUP_COLUMNS) + _LANES * (s % 2) + (s % _GROUP_COLUMNS) // 2 for s in range(PANEL)]
+)
 _PANEL_ROWS = 6  # x rows a panel tile takes: 6 x 4 sums, four w vectors and an x value in 32 registers
 _PANEL_CHUNK = 64  # values of K a tile walks between loading and storing its sums
 _PANEL_BLOCK = 128  # x rows a walk over the weights takes
@@ -742,6 +758,14 @@ def _from_bfloat16(builder, bits):
     return builder.bitcast(builder.shl(builder.zext(bits, wide), sixteen), floats)
 
 
+def _widened_pairs(builder, pairs):
+    """A vector of bfloat16 pairs (<lanes x i32>) as two float32 vectors, exactly: each lane's low half, then each
+    lane's high half (a shift and a mask, two instructions that share the FMA's ports but not its latency)."""
+    low = builder.shl(pairs, ir.Constant(_PAIRS, [16] * _LANES))
+    high = builder.and_(pairs, ir.Constant(_PAIRS, [-65536] * _LANES))  # 0xFFFF0000
+    return [builder.bitcast(low, _V), builder.bitcast(high, _V)]
+
+
 def _is_true(builder, flag):
     """A numba boolean argument as an LLVM i1."""
     return flag if flag.type == ir.IntType(1) else builder.icmp_unsigned("!=", flag, ir.Constant(flag.type, 0))
@@ -911,34 +935,48 @@ def dot_4x1(x, m, w, o, step, out, column):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The panel product (float32 on AVX-512 CPUs where it runs faster: server/matmul.py's panels_here())
+# The panel product (float32 and bfloat16 on AVX-512 CPUs where it runs faster: server/matmul.py's panels_here())
 
 
 def warm_up_panels() -> None:
-    """The panel product's known answers: all-ones products of 1-13 and 19 rows (one to four tiles: prefetching
-    four, two and one lines a step; x packed from 19), over a partial last panel and K past a chunk, one of
-    _PANEL_BLOCK + 1 rows (two blocks), and one of _PANEL_BLOCK rows whose K takes two parts."""
+    _check_panels(bfloat16=False)
+
+
+def warm_up_panels_bfloat16() -> None:
+    """bfloat16's panel product (any AVX-512 CPU: it widens the weights to float32), for a bfloat16 server only."""
+    _check_panels(bfloat16=True)
+
+
+def _check_panels(bfloat16: bool) -> None:
+    """The panel product's known answers: x all ones against weights of column + 1 (so a column out of place shows),
+    products of 1-13 and 19 rows (one to four tiles: prefetching four, two and one lines a step; x packed from 19),
+    over a partial last panel and K past a chunk, one of _PANEL_BLOCK + 1 rows (two blocks), and one of
+    _PANEL_BLOCK rows whose K takes two parts. Every sum is an integer below 2**24: exact in either dtype."""
     short_k, long_k = _PANEL_CHUNK + 3, _PANEL_X_BYTES // (4 * _PANEL_BLOCK) + 3
     cases = (*((rows, short_k) for rows in (*range(1, 14), 19, _PANEL_BLOCK + 1)), (_PANEL_BLOCK, long_k))
+    n = PANEL + 5
+    columns = np.arange(2 * PANEL, dtype=np.float32) + _ONE
+    columns[n:] = _ZERO  # the last panel's missing columns
+    stored = columns.reshape(2, PANEL)
+    if bfloat16:
+        stored = (stored[:, PANEL_BFLOAT16_ORDER].view(np.int32) >> 16).astype(np.int16)
     for rows, k in cases:
-        n = PANEL + 5
-        panels = np.zeros((2, k, PANEL), np.float32)
-        panels[0] = _ONE
-        panels[1, :, : n - PANEL] = _ONE
+        panels = np.ascontiguousarray(np.broadcast_to(stored[:, None, :], (2, k, PANEL)))
         y = np.empty((rows, n), np.float32)
         panel_matmul(np.ones((rows, k), np.float32), panels, y)
-        if not np.array_equal(y, np.full((rows, n), k, np.float32)):
-            raise RuntimeError(f"the compiled panel product is wrong: {y}")
+        if not np.array_equal(y, np.broadcast_to(columns[:n] * np.float32(k), (rows, n))):
+            raise RuntimeError(f"the compiled {'bfloat16 ' if bfloat16 else ''}panel product is wrong: {y}")
 
 
 @njit(parallel=True, fastmath=True, cache=True)
 def panel_matmul(x, panels, y):
     """y = x @ w.T for float32 x [M, K] and w [N, K] packed as panels [ceil(N / PANEL), K, PANEL] (server/matmul.py's
-    PanelLinear): y [M, N]. Each thread takes runs of whole panels and walks each _PANEL_CHUNK values of K at a
-    time; every tile of up to _PANEL_ROWS x rows reads the chunk, from memory the first and from L1 the rest, and
-    the tiles share the prefetch of the next chunk. Every value of y is one sum over K in order, whatever M: x rows
-    come in blocks of up to _PANEL_BLOCK, each block a walk over the weights (in parts of K where its x rows would
-    outgrow _PANEL_X_BYTES)."""
+    PanelLinear; float32, or bfloat16's int16 bits in PANEL_BFLOAT16_ORDER, widened as they load): y [M, N]. Each
+    thread takes runs of whole panels and walks a chunk of K at a time (_PANEL_CHUNK float32 values, as many bytes
+    of bfloat16); every tile of up to _PANEL_ROWS x rows reads the chunk, from memory the first and from L1 the
+    rest, and the tiles share the prefetch of the next chunk. Every value of y is one sum over K in order, whatever
+    M: x rows come in blocks of up to _PANEL_BLOCK, each block a walk over the weights (in parts of K where its x
+    rows would outgrow _PANEL_X_BYTES)."""
     m_rows, k = x.shape
     count = panels.shape[0]
     # The last panel's sums where it runs past y's last column (N not a multiple of PANEL), kept between K parts.
@@ -997,14 +1035,17 @@ def _panel_run(xs, block, span, panels, outs, run):
     first, last = span
     p0, p1 = run
     tiles = (rows + _PANEL_ROWS - 1) // _PANEL_ROWS
-    per_line = _LINE // 4
+    per_line = _LINE // panels.itemsize
+    chunk = _PANEL_CHUNK * 4 // panels.itemsize  # the same bytes a chunk: its prefetches reach as far ahead
     end_line = p1 * k * PANEL // per_line  # the run's last line, + 1: no tile prefetches past it
-    lines = 4 if tiles == 1 else 2 if tiles <= 3 else 1  # a step's prefetches: share <= lines * steps
+    # A step's prefetches (share <= lines * steps): half as many for bfloat16, whose step reads half the lines
+    # (with float32's counts its lone tile took 1.10-1.22x the plain kernel's time at M = 1, then 0.88-0.90x).
+    lines = max((4 if tiles == 1 else 2 if tiles <= 3 else 1) * panels.itemsize // 4, 1)
     for p in range(p0, p1):
         inside = (p + 1) * PANEL <= n
         out, column = (y, p * PANEL) if inside else (scratch, 0)
-        for k0 in range(first, last, _PANEL_CHUNK):
-            k1 = min(k0 + _PANEL_CHUNK, last)
+        for k0 in range(first, last, chunk):
+            k1 = min(k0 + chunk, last)
             steps = k1 - k0
             # The next chunk's first line: on in this panel, else the next panel's part (panels follow each other).
             ahead = (p * k + k1 if k1 < last else (p + 1) * k + first) * PANEL // per_line
@@ -1037,7 +1078,9 @@ def _panel_tile_rows(rows, lines):
 
     @intrinsic
     def tile(typingctx, x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step):
-        if any(a.layout != "C" or a.dtype != types.float32 for a in (x, panels, y)) or panels.ndim != 3:
+        if any(a.layout != "C" or a.dtype != types.float32 for a in (x, y)) or panels.ndim != 3:
+            return None
+        if panels.layout != "C" or panels.dtype not in (types.float32, types.int16):
             return None
 
         def codegen(context, builder, signature, args):
@@ -1056,6 +1099,7 @@ def _panel_tile_ir(context, builder, signature, args, shape):
     m0, p, k0, k1, column, start, stop, x_first, x_row, x_step = (args[i] for i in (1, 3, 4, 5, 7, 8, 9, 10, 11, 12))
     k, n = builder.extract_value(ps.shape, 1), builder.extract_value(ys.shape, 1)
     vectors = PANEL // _LANES
+    bfloat16 = signature.args[2].dtype == types.int16  # panels of bfloat16 bits in PANEL_BFLOAT16_ORDER
     fma, prefetch = _fmuladd(builder), _llvm_prefetch(builder)
     x_rows = [builder.gep(xs.data, [builder.add(x_first, builder.mul(x_row, _I64(r)))]) for r in range(rows)]
     panel = builder.gep(ps.data, [builder.mul(p, builder.mul(k, _I64(PANEL)))])
@@ -1080,10 +1124,16 @@ def _panel_tile_ir(context, builder, signature, args, shape):
     builder.cbranch(builder.icmp_signed("<", step, k1), body, done)
     builder.position_at_end(body)
     weights = builder.gep(panel, [builder.mul(step, _I64(PANEL))])
-    w = [
-        builder.load(builder.bitcast(builder.gep(weights, [_I64(j * _LANES)]), _V.as_pointer()), align=4)
-        for j in range(vectors)
-    ]
+    if bfloat16:  # each 32 values widen to two vectors of columns: the lanes' low halves, then their high halves
+        w = []
+        for j in range(vectors // 2):
+            pairs = builder.bitcast(builder.gep(weights, [_I64(j * 2 * _LANES)]), _PAIRS.as_pointer())
+            w += _widened_pairs(builder, builder.load(pairs, align=2))
+    else:
+        w = [
+            builder.load(builder.bitcast(builder.gep(weights, [_I64(j * _LANES)]), _V.as_pointer()), align=4)
+            for j in range(vectors)
+        ]
     new = []
     for r in range(rows):
         broadcast = _broadcast(builder, builder.load(builder.gep(x_rows[r], [builder.mul(step, x_step)])))
@@ -1092,8 +1142,8 @@ def _panel_tile_ir(context, builder, signature, args, shape):
     for i in range(lines):
         line = builder.add(start, builder.add(slot, _I64(i)))
         line = builder.select(builder.icmp_signed("<", line, stop), line, builder.sub(stop, _I64(1)))
-        address = builder.bitcast(builder.gep(ps.data, [builder.mul(line, _I64(_LINE // 4))]), _I8P)
-        builder.call(prefetch, [address, _I32(0), _I32(_TO_L2), _I32(1)])
+        address = builder.gep(ps.data, [builder.mul(line, _I64(_LINE // (2 if bfloat16 else 4)))])
+        builder.call(prefetch, [builder.bitcast(address, _I8P), _I32(0), _I32(_TO_L2), _I32(1)])
     next_step = builder.add(step, _I64(1))
     builder.branch(head)
     for block, values in ((load_block, kept), (zero_block, [zero] * len(outs))):
@@ -1112,8 +1162,8 @@ def _panel_tile_ir(context, builder, signature, args, shape):
 # The tiles a walk takes: a lone tile (1-6 rows) prefetches four lines a step; two or three tiles (7-18 rows, so 3-6
 # a tile) two each; four tiles or more (19 rows on: rows > 6 (tiles - 1) leaves at least 4 to each) one each.
 _panel_1, _panel_2, _panel_3, _panel_4, _panel_5, _panel_6 = (_panel_tile_rows(r, 4) for r in range(1, 7))
-_panel_3h, _panel_4h, _panel_5h, _panel_6h = (_panel_tile_rows(r, 2) for r in range(3, 7))
-_panel_4q, _panel_5q, _panel_6q = (_panel_tile_rows(r, 1) for r in range(4, 7))
+_panel_1h, _panel_2h, _panel_3h, _panel_4h, _panel_5h, _panel_6h = (_panel_tile_rows(r, 2) for r in range(1, 7))
+_panel_1q, _panel_2q, _panel_3q, _panel_4q, _panel_5q, _panel_6q = (_panel_tile_rows(r, 1) for r in range(1, 7))
 
 
 @njit(inline="always", fastmath=True)
@@ -1138,7 +1188,11 @@ def _panel_tile(x, x_at, m0, rows, panels, p, span, y, column, prefetching):
         else:
             _panel_6(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
     elif lines == 2:
-        if rows == 3:
+        if rows == 1:
+            _panel_1h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 2:
+            _panel_2h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+        elif rows == 3:
             _panel_3h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
         elif rows == 4:
             _panel_4h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
@@ -1146,6 +1200,12 @@ def _panel_tile(x, x_at, m0, rows, panels, p, span, y, column, prefetching):
             _panel_5h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
         else:
             _panel_6h(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif rows == 1:
+        _panel_1q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif rows == 2:
+        _panel_2q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
+    elif rows == 3:
+        _panel_3q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
     elif rows == 4:
         _panel_4q(x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step)
     elif rows == 5:

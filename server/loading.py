@@ -69,8 +69,8 @@ def load_target(
     attention = resolve_attention(attention, device, dtype)
     # The kernel's forms on AVX-512 (panels or plain rows, tiles or loops) are timed now, before the weights load,
     # so that the memory the timing takes is free again by then.
-    if kind == "numba" and dtype == torch.float32:
-        panels_here()  # prepare() packs what it chose
+    if kind == "numba":
+        panels_here(dtype)  # prepare() packs what it chose
     tiles = attention == "numba" and tiles_here()
     target = _load(resolved, device=device, dtype=dtype, cache_dir=cache_dir, collectives=collectives)
     prepare(target.model, kind)

@@ -10,9 +10,13 @@
   kernel's panel GEMM (server/_forward_numba.py's panel_matmul): over the 1.5B's
   products on a 2-core Xeon, in turn with the plain weights below, M = 8 0.86-0.96x
   the time, M = 24-40 0.71-0.75x; whole 8 x 5 forwards 0.86x, a 512-token prefill
-  1.02x (its K = 8960 product runs at 0.9-0.95x oneDNN's rate). Elsewhere, and in
-  bfloat16, the weights stay row-major, as loaded, in one copy (a tied LM head
-  reads the embedding table itself). A
+  1.02x (its K = 8960 product runs at 0.9-0.95x oneDNN's rate). bfloat16 too,
+  by default on AVX-512 CPUs without AMX but Zen 4 (the kernel's PANELS_BFLOAT16,
+  timed likewise): the panels widen each bfloat16 weight to float32 and sum with
+  FMAs, twice vdpbf16ps's rate on a Xeon without AMX; whole bfloat16 forwards
+  there, in turn with the plain rows: 1 x 1 1.00x, 8 x 1 0.91x, 8 x 5 0.64x,
+  16 x 5 0.67x. Elsewhere the weights stay row-major, as loaded, in one copy (a
+  tied LM head reads the embedding table itself). A
   product of up to `numba_max_rows()` rows (48 on AVX2, 56 on AVX-512, 40 in
   bfloat16, 8 where AMX runs oneDNN's; on Zen 4 120, and 64 in bfloat16),
   every decode step's and most verify steps', runs a numba kernel that streams the weights at memory speed
@@ -20,11 +24,12 @@
   same plain weights. On a Xeon that measured as fast as oneDNN's own packed
   layout (in float32); on a Zen 4 EPYC it took 1.04-1.16x the packed layout's
   time at 120-256 rows, and 1.14-1.27x at 41-80, which the kernel now takes.
-  q/k/v and gate/up are fused as below. bfloat16 too, on CPUs with AVX512_BF16,
-  but only when asked: whole bfloat16 forwards of the 1.5B on a 2-core Zen 4
-  EPYC, in turn with `onednn`, took 1 x 1 0.74-0.77x, 1 x 5 0.92-0.98x, 8 x 1
-  0.97-1.07x, but 8 x 5 1.09x, 16 x 5 1.16x and 7 x 5 + p120 1.10x: past 40 rows
-  the plain weights run oneDNN's GEMM slower than its packed layout does.
+  q/k/v and gate/up are fused as below. bfloat16 on plain rows (Zen 4, AMX)
+  needs AVX512_BF16 and runs only when asked: whole bfloat16 forwards of the 1.5B
+  on a 2-core Zen 4 EPYC, in turn with `onednn`, took 1 x 1 0.74-0.77x, 1 x 5
+  0.92-0.98x, 8 x 1 0.97-1.07x, but 8 x 5 1.09x, 16 x 5 1.16x and 7 x 5 + p120
+  1.10x: past 40 rows the plain weights run oneDNN's GEMM slower than its packed
+  layout does.
 - `onednn` (CPU, float32 or bfloat16): every projection's weight is reordered
   once, at load, into oneDNN's blocked layout, and the original is freed, so
   memory holds one copy (a tied LM head keeps the embedding table beside its
@@ -36,9 +41,10 @@
   stacked into one weight each, so a layer launches four products, not seven,
   each over a larger weight. On an H200 the 1.5B's graphed 1-token step spent
   52 of its 125 us a layer in seven products (bench/results/2026-11-27-h200-cuda.md).
-- `auto`: on a CPU, `numba` for float32 where numba compiles, else (and for
-  bfloat16) `onednn` where it is available for the dtype, else `eager`, said in
-  one log line; elsewhere (CUDA) `fused`.
+- `auto`: on a CPU, `numba` for float32 where numba compiles, and for bfloat16
+  where its panels run (panels_here: an AVX-512 CPU without AMX, not Zen 4, and
+  timed faster there than the plain rows), else `onednn` where it is available
+  for the dtype, else `eager`, said in one log line; elsewhere (CUDA) `fused`.
 
 On the 2-core AVX2 EPYC of `bench/results/`, over a [M, 1536] x [1536, 8960]
 product: eager MKL takes 4.9 ms at M = 1 and 16 ms at M = 5, packed oneDNN
@@ -103,24 +109,25 @@ def layout_rows(dtype: torch.dtype) -> int:
 
 
 class PanelLinear(nn.Module):
-    """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32; the numba path's
-    projection where panels_here(), and built on any AVX-512 CPU for that choice's timing, tests and
-    `specedge-bench engine`): the numba kernel's panel product, for any number of rows. Each value of y is one sum
-    over K in order, so a row's bits do not depend on the rows beside it."""
+    """y = x @ W.T + b with W packed once, at load, into panels of PANEL output columns (float32, or bfloat16; the
+    numba path's projection where panels_here(dtype), and built on any AVX-512 CPU for that choice's timing, tests
+    and `specedge-bench engine`): the numba kernel's panel product, for any number of rows. Each value of y is one
+    sum over K in order, in float32 (bfloat16 weights and x widen exactly, and y rounds once, at the end), so a
+    row's bits do not depend on the rows beside it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        compiled = panel_kernel()
+        compiled = panel_kernel(weight.dtype)
         assert compiled is not None, "PanelLinear is built only where the panels compiled"
         self.out_features, self.in_features = weight.shape
         # Plain attributes, not parameters: the model's state dict keeps its own names for these weights.
         self.panels = pack_panels(weight.detach(), int(compiled.PANEL))  # [panels, in, PANEL]
         self.bias = None if bias is None else bias.detach().contiguous()
-        self._panels = self.panels.numpy()
+        self._panels = kernel_array(self.panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        lead = x.shape[:-1]
-        x = x.reshape(-1, self.in_features).contiguous()
+        lead, dtype = x.shape[:-1], x.dtype
+        x = x.reshape(-1, self.in_features).float().contiguous()  # bfloat16: widened, exactly (x is small)
         compiled = numba_kernel()
         assert compiled is not None, "PanelLinear is built only where the kernel compiled"
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
@@ -128,38 +135,57 @@ class PanelLinear(nn.Module):
         compiled.panel_matmul(x.numpy(), self._panels, y.numpy())
         if self.bias is not None:
             y += self.bias
-        return y.reshape(*lead, self.out_features)
+        return y.to(dtype).reshape(*lead, self.out_features)  # bfloat16: the one rounding
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
-    """A float32 weight [out, in] as [ceil(out / panel), in, panel]: panel p holds output columns p * panel ..
-    (p + 1) * panel - 1, its `in` rows of `panel` weights each contiguous, the last panel's missing columns zero.
-    One new tensor: the original is freed with its module."""
+    """A float32 or bfloat16 weight [out, in] as [ceil(out / panel), in, panel]: panel p holds output columns
+    p * panel .. (p + 1) * panel - 1, its `in` rows of `panel` weights each contiguous, the last panel's missing
+    columns zero; bfloat16's in the kernel's PANEL_BFLOAT16_ORDER (panel_slots). One new tensor: the original is
+    freed with its module."""
     out_features, in_features = weight.shape
     full, rest = divmod(out_features, panel)
-    panels = torch.empty(full + (rest > 0), in_features, panel, dtype=torch.float32)
-    panels[:full] = weight[: full * panel].view(full, panel, in_features).transpose(1, 2)
+    panels = torch.zeros(full + (rest > 0), in_features, panel, dtype=weight.dtype)
+    order = panel_order(weight.dtype, panel)
+    reordered = not torch.equal(order, torch.arange(panel))
+    for first in range(0, full, PACK_PANELS):  # bfloat16's reordered copy a block at a time, not the whole weight
+        last = min(first + PACK_PANELS, full)
+        block = weight[first * panel : last * panel].view(last - first, panel, in_features)
+        panels[first:last] = (block[:, order] if reordered else block).transpose(1, 2)
     if rest:
-        panels[full].zero_()
-        panels[full, :, :rest] = weight[full * panel :].T
+        slots = torch.argsort(order)[:rest]  # where each of the last panel's columns is stored
+        panels[full, :, slots] = weight[full * panel :].T
     return panels
+
+
+PACK_PANELS = 256  # panels pack_panels reorders at a time (bfloat16's LM head of the 1.5B: 25 MB, not 467)
+
+
+def panel_order(dtype: torch.dtype, panel: int) -> torch.Tensor:
+    """The column each of a panel's `panel` slots stores: in order for float32, the kernel's PANEL_BFLOAT16_ORDER
+    for bfloat16 (pairs that widen to vectors of columns in order)."""
+    compiled = numba_kernel()
+    if dtype == torch.bfloat16 and compiled is not None and int(compiled.PANEL) == panel:
+        return torch.from_numpy(compiled.PANEL_BFLOAT16_ORDER)
+    return torch.arange(panel)
 
 
 class PanelEmbedding(nn.Module):
     """A tied embedding read from its LM head's panels: a token's row is column token % PANEL of panel
-    token // PANEL, the same values, so the tied table is held once."""
+    token // PANEL (at its slot in the panel's order), the same values, so the tied table is held once."""
 
     def __init__(self, head: PanelLinear):
         super().__init__()
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.panels = head.panels  # the same memory
+        self.slots = torch.argsort(panel_order(self.panels.dtype, self.panels.shape[2]))  # column -> slot
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., dim]
         panel = self.panels.shape[2]
-        return self.panels[token_ids // panel, :, token_ids % panel]
+        return self.panels[token_ids // panel, :, self.slots[token_ids % panel]]
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, read from the LM head's panels"
@@ -205,12 +231,15 @@ def numba_kernel() -> ModuleType | None:
 
 
 @functools.cache
-def panel_kernel() -> ModuleType | None:
-    """server/_forward_numba.py with its panel product compiled and checked, or None where it cannot run: no
-    AVX-512, or no kernel. warm_up_matmul checks the panels only where they are the default (PANELS)."""
+def panel_kernel(dtype: torch.dtype = torch.float32) -> ModuleType | None:
+    """server/_forward_numba.py with its panel product compiled and checked for weights of `dtype`, or None where
+    it cannot run: no AVX-512, or no kernel. warm_up_matmul checks float32's panels only where they are the default
+    (PANELS); bfloat16's are checked for a bfloat16 server alone."""
     compiled = numba_kernel()
     if compiled is None or not compiled.AVX512:
         return None
+    if dtype == torch.bfloat16:
+        return load_kernel("_forward_numba", "bfloat16's panel product cannot run", "warm_up_panels_bfloat16")
     if compiled.PANELS:  # warm_up_matmul has checked them
         return compiled
     return load_kernel("_forward_numba", "the panel product cannot run", "warm_up_panels")
@@ -272,8 +301,11 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     if kind == "auto" and device.type != "cpu":
         return "fused"
     unavailable = {"numba": numba_unavailable, "onednn": onednn_unavailable}
-    # auto tries numba, then onednn; for bfloat16 onednn alone, whose packed layout is faster from 8 x 5 on.
-    tried = [kind] if kind != "auto" else ["onednn"] if dtype == torch.bfloat16 else ["numba", "onednn"]
+    # auto tries numba, then onednn; for bfloat16 numba only where its panels run (panels_here), faster than oneDNN
+    # at every step on a Xeon without AMX; elsewhere oneDNN's packed layout is faster from 8 x 5 on.
+    tried = [kind] if kind != "auto" else ["numba", "onednn"]
+    if kind == "auto" and dtype == torch.bfloat16 and (numba_unavailable(device, dtype) or not panels_here(dtype)):
+        tried = ["onednn"]
     reasons = {}
     for path in tried:
         reason = unavailable[path](device, dtype)
@@ -323,9 +355,11 @@ def plain_for_numba(model: CausalLM) -> None:
 
 
 def numba_projection(dtype: torch.dtype) -> Projection:
-    """The numba path's projection for weights of this dtype: PanelLinear for float32 where this process runs the
-    panels (panels_here()), else PlainLinear."""
-    return PanelLinear if dtype == torch.float32 and panels_here() else PlainLinear
+    """The numba path's projection for weights of this dtype: PanelLinear where this process runs the panels
+    (panels_here(dtype)), else PlainLinear."""
+    if dtype == torch.float32:
+        return PanelLinear if panels_here() else PlainLinear
+    return PanelLinear if dtype == torch.bfloat16 and panels_here(torch.bfloat16) else PlainLinear
 
 
 # One decoder layer's products of the 1.5B ([out, in]: q/k/v, o, gate/up, down; 187 MB), in order, as a forward runs
@@ -337,29 +371,33 @@ PANEL_TIMING_ROWS = (1, 8, 40)  # one decode row, eight, eight verify rounds of 
 
 
 @functools.cache
-def panels_here() -> bool:
-    """Whether this process's float32 projections run as panels (PanelLinear) or as plain rows (PlainLinear),
-    where both can (AVX-512): the kernel's default (PANELS: the panels, but on Zen 4, whose plain kernel was tuned
-    there and where the panels are untimed) unless the other form took at most kernels.SWITCH its time
-    (PANEL_TIMING_LAYER at PANEL_TIMING_ROWS; about a second, once per machine: kernels.chosen_form). On a 2-core
-    Xeon the panels took 0.83-0.88x the plain kernel's time there, start after start."""
-    compiled = panel_kernel()
-    if compiled is None:
+def panels_here(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this process's projections of `dtype` run as panels (PanelLinear) or as plain rows (PlainLinear),
+    where both can (AVX-512; bfloat16 where the plain rows' vdpbf16ps runs too): the kernel's default unless the
+    other form took at most kernels.SWITCH its time (PANEL_TIMING_LAYER at PANEL_TIMING_ROWS; about a second, once
+    per machine and dtype: kernels.chosen_form). float32's default, PANELS, is the panels but on Zen 4, whose plain
+    kernel was tuned there; on a 2-core Xeon the panels took 0.83-0.88x the plain kernel's time, start after start.
+    bfloat16's, PANELS_BFLOAT16, is the panels but on Zen 4 and with AMX, where the plain rows hand products of over
+    a few rows to oneDNN's AMX tiles."""
+    compiled = panel_kernel(dtype)
+    if compiled is None or (dtype == torch.bfloat16 and numba_unavailable(torch.device("cpu"), dtype)):
         return False
-    default, other = ("panels", "plain rows") if compiled.PANELS else ("plain rows", "panels")
-    chosen = chosen_form("float32 products", default, other, compiled, _panel_timings)
+    panels = compiled.PANELS_BFLOAT16 if dtype == torch.bfloat16 else compiled.PANELS
+    default, other = ("panels", "plain rows") if panels else ("plain rows", "panels")
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    chosen = chosen_form(f"{name} products", default, other, compiled, functools.partial(_panel_timings, dtype))
     return chosen == "panels"
 
 
-def _panel_timings() -> list[dict[str, Callable[[], object]]]:
-    weights = [torch.full(shape, 0.01) for shape in PANEL_TIMING_LAYER]
+def _panel_timings(dtype: torch.dtype = torch.float32) -> list[dict[str, Callable[[], object]]]:
+    weights = [torch.full(shape, 0.01, dtype=dtype) for shape in PANEL_TIMING_LAYER]
     forms: dict[str, list[nn.Module]] = {
         "panels": [PanelLinear(weight, None) for weight in weights],
         "plain rows": [PlainLinear(weight, None) for weight in weights],
     }
     return [
         {
-            name: functools.partial(_in_order, layer, [torch.randn(m, w.shape[1]) for w in weights])
+            name: functools.partial(_in_order, layer, [torch.randn(m, w.shape[1]).to(dtype) for w in weights])
             for name, layer in forms.items()
         }
         for m in PANEL_TIMING_ROWS

@@ -138,7 +138,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     )
     assert header in table
     kernel = numba_kernel()
-    if kernel.AVX512:  # float32 on AVX-512: the numba product the path does not run, beside the one it does
+    if kernel.AVX512:  # AVX-512: the numba product the path does not run, beside the one it does
         other = "numba plain" if panels_here() else "numba panels"
         assert kernels[other] > 0
         columns = f"| M | eager ms | onednn@1 ms | onednn@16 ms | inductor ms | numba ms | {other} ms | best / floor |"

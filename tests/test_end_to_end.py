@@ -18,7 +18,7 @@ from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
-from specedge.server.matmul import numba_unavailable
+from specedge.server.matmul import PanelLinear, PlainLinear, numba_unavailable, panels_here
 from specedge.types import FinishReason, SamplingParams
 from specedge.v1 import specedge_pb2 as pb
 from specedge.v1 import specedge_pb2_grpc
@@ -69,6 +69,10 @@ def test_bfloat16_server_is_lossless_against_itself(tiny_target_dir, tokenizer, 
     with ServerThread(config) as bf16_server:
         runner = bf16_server.server.engine.stepper.runner
         assert runner.kv.k[0].dtype == torch.bfloat16 and runner.model.attention == "numba"
+        head = runner.model.lm_head
+        assert matmul == "auto" or isinstance(head, PanelLinear | PlainLinear)
+        if isinstance(head, PanelLinear | PlainLinear):  # the numba path: bfloat16's panels where they run
+            assert isinstance(head, PanelLinear) == panels_here(torch.bfloat16)
         for messages in PROMPTS:
             prompt = tokenizer.apply_chat_template(messages)
             server_only = generate(bf16_server, tokenizer, prompt, None, max_new_tokens=32).token_ids

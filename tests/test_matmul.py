@@ -75,39 +75,63 @@ def test_a_rows_products_do_not_depend_on_how_many_rows_share_them(in_features, 
             assert torch.equal(plain(x[:rows])[:seen], alone[:seen]), rows
 
 
-def _panels():
-    """The kernel module where its panel product runs (AVX-512: the default of every CPU but Zen 4, and there
-    what `specedge-bench engine` times against the plain kernel), else skip."""
-    kernel = matmul.panel_kernel()
+def _panels(dtype: torch.dtype = torch.float32):
+    """The kernel module where its panel product runs for `dtype` (AVX-512: float32's default on every CPU but Zen
+    4, bfloat16's without AMX, and elsewhere what `specedge-bench engine` times against the plain kernel), else
+    skip."""
+    kernel = matmul.panel_kernel(dtype)
     if kernel is None:
-        pytest.skip("panels are the AVX-512 kernel's float32 layout")
+        pytest.skip("panels are the AVX-512 kernel's layout")
     return kernel
 
 
+PANEL_DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("out_features", [5, 64, 130, 774])  # within one panel, one exactly, partial last panels
 @pytest.mark.parametrize("in_features", [1, 67, 2100])  # K within a chunk, past one, in two parts at 128 rows
-def test_panel_linear_equals_the_linear_it_replaces(in_features, out_features, bias):
-    kernel = _panels()
+def test_panel_linear_equals_the_linear_it_replaces(in_features, out_features, bias, dtype, monkeypatch):
+    """float32: the Linear's products. bfloat16: the exact sum of the exact products, rounded once to bfloat16
+    (the weights and x widen exactly; the float32 sums round far below bfloat16's step), so a column stored out
+    of its place in the panels' bfloat16 order shows. The weights pack five panels at a time (774 columns: three
+    blocks and a partial panel)."""
+    kernel = _panels(dtype)
+    monkeypatch.setattr(matmul, "PACK_PANELS", 5)
     torch.manual_seed(out_features + in_features)
-    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
     panel = PanelLinear(linear.weight, linear.bias)
     assert panel.panels.shape == (-(-out_features // kernel.PANEL), in_features, kernel.PANEL)
+    assert panel.panels.dtype == dtype
     # One tile (1-6 rows), two or three (7-18), more (x packed), a block of 128 and past it (two walks over the
     # weights).
-    _assert_computes(panel, linear, (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 18, 19, 40, 56, 128, 129, 300))
+    rows = (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 18, 19, 40, 56, 128, 129, 300)
+    if dtype == torch.float32:
+        _assert_computes(panel, linear, rows)
+        return
+    weight = linear.weight.double()
+    bias_values = 0.0 if linear.bias is None else linear.bias.double()
+    with torch.inference_mode():
+        for count in rows:
+            x = torch.randn(count, in_features, dtype=dtype)
+            y = panel(x)
+            assert y.dtype == dtype
+            exact = (x.double() @ weight.T + bias_values).to(dtype).double()
+            torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=2**-7)
 
 
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
 @pytest.mark.parametrize("out_features", [130, 774])
 @pytest.mark.parametrize("in_features", [67, 2100])
-def test_a_rows_panel_products_do_not_depend_on_how_many_rows_share_them(in_features, out_features):
+def test_a_rows_panel_products_do_not_depend_on_how_many_rows_share_them(in_features, out_features, dtype):
     """Each value is one sum over K in order, so every row's products have the same bits at every row count: in
     any tile, with any number of tiles, x packed or not, K in one part or two, in any of several walks over the
-    weights."""
-    _panels()
+    weights. bfloat16's too (its chunks and prefetches differ from float32's)."""
+    _panels(dtype)
     torch.manual_seed(in_features + out_features)
-    panel = PanelLinear(torch.randn(out_features, in_features), None)
-    x = torch.randn(300, in_features)
+    panel = PanelLinear(torch.randn(out_features, in_features, dtype=dtype), None)
+    x = torch.randn(300, in_features, dtype=dtype)
     with torch.inference_mode():
         alone = torch.cat([panel(x[m : m + 1]) for m in range(len(x))])
         for rows in (*range(2, 57), 127, 128, 129, 135, 300):
@@ -115,12 +139,13 @@ def test_a_rows_panel_products_do_not_depend_on_how_many_rows_share_them(in_feat
             assert torch.equal(panel(x[len(x) - rows :]), alone[len(x) - rows :]), rows
 
 
-def test_a_tied_embedding_reads_the_heads_panels():
-    _panels()
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_a_tied_embedding_reads_the_heads_panels(dtype):
+    _panels(dtype)
     torch.manual_seed(0)
-    table = torch.randn(130, 24)
+    table = torch.randn(130, 24, dtype=dtype)
     embedding = PanelEmbedding(PanelLinear(table, None))
-    token_ids = torch.tensor([[0, 63, 64, 129], [5, 5, 128, 1]])
+    token_ids = torch.tensor([[0, 63, 64, 129], [5, 5, 128, 1], [16, 17, 31, 32]])
     assert torch.equal(embedding(token_ids), torch.nn.functional.embedding(token_ids, table))
 
 
@@ -219,9 +244,12 @@ def test_auto_chooses_by_device_and_dtype_and_names_what_cannot_run():
     assert resolve_matmul("auto", CPU, torch.float32) == "numba"
     assert resolve_matmul("eager", CPU, torch.float32) == "eager"
     assert resolve_matmul("onednn", CPU, torch.float32) == "onednn"
-    # bfloat16 goes to oneDNN where this CPU has its bfloat16 kernels: its packed layout is faster from 8 x 5 on.
-    # numba takes bfloat16 only when asked, and only with AVX512_BF16.
+    # bfloat16 goes to numba where its panels run (a Xeon without AMX), else to oneDNN where this CPU has its
+    # bfloat16 kernels (its packed layout is faster from 8 x 5 on than the plain rows); numba takes bfloat16 only
+    # with AVX512_BF16.
     bf16 = "onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "eager"
+    if matmul.numba_unavailable(CPU, torch.bfloat16) is None and matmul.panels_here(torch.bfloat16):
+        bf16 = "numba"
     assert resolve_matmul("auto", CPU, torch.bfloat16) == bf16
     if (reason := matmul.numba_unavailable(CPU, torch.bfloat16)) is None:
         assert resolve_matmul("numba", CPU, torch.bfloat16) == "numba"
