@@ -144,11 +144,11 @@ class PanelLinear(nn.Module):
 def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
     """A float32 or bfloat16 weight [out, in] as [ceil(out / panel), in, panel]: panel p holds output columns
     p * panel .. (p + 1) * panel - 1, its `in` rows of `panel` weights each contiguous, the last panel's missing
-    columns zero; bfloat16's in the kernel's PANEL_BFLOAT16_ORDER (panel_slots). One new tensor: the original is
+    columns zero; bfloat16's in the kernel's PANEL_BFLOAT16_ORDER (panel_order). One new tensor: the original is
     freed with its module."""
     out_features, in_features = weight.shape
     full, rest = divmod(out_features, panel)
-    panels = torch.zeros(full + (rest > 0), in_features, panel, dtype=weight.dtype)
+    panels = torch.empty(full + (rest > 0), in_features, panel, dtype=weight.dtype)
     order = panel_order(weight.dtype, panel)
     reordered = not torch.equal(order, torch.arange(panel))
     for first in range(0, full, PACK_PANELS):  # bfloat16's reordered copy a block at a time, not the whole weight
@@ -156,6 +156,7 @@ def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
         block = weight[first * panel : last * panel].view(last - first, panel, in_features)
         panels[first:last] = (block[:, order] if reordered else block).transpose(1, 2)
     if rest:
+        panels[full].zero_()
         slots = torch.argsort(order)[:rest]  # where each of the last panel's columns is stored
         panels[full, :, slots] = weight[full * panel :].T
     return panels
@@ -379,6 +380,8 @@ def panels_here(dtype: torch.dtype = torch.float32) -> bool:
     kernel was tuned there; on a 2-core Xeon the panels took 0.83-0.88x the plain kernel's time, start after start.
     bfloat16's, PANELS_BFLOAT16, is the panels but on Zen 4 and with AMX, where the plain rows hand products of over
     a few rows to oneDNN's AMX tiles."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
     compiled = panel_kernel(dtype)
     if compiled is None or (dtype == torch.bfloat16 and numba_unavailable(torch.device("cpu"), dtype)):
         return False
