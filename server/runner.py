@@ -196,7 +196,11 @@ class ModelRunner:
         if self.model.attention == "numba":
             layers = self.model.compiled_layers
             # A step the compiled layers can take (float32, few enough tokens) takes them whole where its rows allow:
-            # every row attends in the kernel, so that no token's bits depend on the rest of its step.
+            # every row attends in the kernel, so that no token's bits depend on the rest of its step. So does every
+            # bfloat16 step (no compiled layers: each runs the modules), so that a prompt's tokens have the same
+            # bits however its prefill was chunked (a long row took SDPA, a short one the kernel: the real 1.5B's
+            # next-token logits differed by up to 0.125 between a 200-token prefill and 120 + 80).
+            whole = layers.fits(rows.num_tokens) if layers is not None else self.kv.k[0].dtype == torch.bfloat16
             compiled = compiled_rows(
                 rows.cu_num_tokens,
                 [r.slot for r in requests],
@@ -205,7 +209,7 @@ class ModelRunner:
                     None if r.tree_parents is None else tree.ancestor_mask(r.tree_parents, len(r.token_ids))
                     for r in requests
                 ],
-                compiled_step=layers is not None and layers.fits(rows.num_tokens),
+                compiled_step=whole,
                 tiles=self.model.attention_tiles,
             )
             for row in compiled.others:  # rows too long for the kernel take the row loop, with their masks

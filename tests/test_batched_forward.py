@@ -472,3 +472,36 @@ def test_attention_path_is_chosen_by_device_and_dtype():
         resolve_attention("numba", cuda, torch.float32)
     with pytest.raises(ValueError, match="unknown attention path 'paged'"):
         resolve_attention("paged", cpu, torch.float32)
+
+
+def test_a_bfloat16_prompt_has_the_same_bits_however_its_prefill_is_chunked(tiny_target_dir):
+    """bfloat16 has no compiled layers, so every step runs the modules; there every row attends in the kernel (long
+    rows 16 tokens at a time), as in float32's compiled steps, and with its products as panels a token's logits
+    have the same bits in one prefill row of 40 tokens, in chunks of 23 and 17, in a 5-token chunk beside a long
+    prefill row and two decode rows, or verified after the prompt. (A long row took SDPA and a short one the
+    kernel: the real 1.5B's next-token logits moved by up to 0.125 with the chunking.)"""
+    from specedge.server import matmul
+
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    if (reason := matmul.numba_unavailable(cpu, bf16)) or not matmul.panels_here(bf16):
+        pytest.skip(reason or "bfloat16's products are row-invariant at every size only as panels")
+    target = load_target(
+        ResolvedModel("tiny", "hf", tiny_target_dir), device=cpu, dtype=bf16, matmul="numba", attention="numba"
+    )
+    model = target.model
+    assert model.compiled_layers is None and isinstance(model.lm_head, matmul.PanelLinear)
+    runner = ModelRunner(model, KVCache(model, num_slots=4, max_len=MAX_LEN, device=cpu, dtype=bf16))
+    torch.manual_seed(3)
+    prompt, new = torch.randint(VOCAB, (40,)).tolist(), torch.randint(VOCAB, (5,)).tolist()
+    whole = runner.forward([ForwardRequest(0, 0, tuple(prompt))])[0]
+    runner.forward([ForwardRequest(1, 0, tuple(prompt[:23]), all_logits=False)])
+    rest = runner.forward([ForwardRequest(1, 23, tuple(prompt[23:]))])[0]
+    assert torch.equal(rest, whole[23:])
+    runner.forward([ForwardRequest(2, 0, tuple(prompt[:30]), all_logits=False)])
+    beside = runner.forward(
+        [ForwardRequest(2, 30, tuple(prompt[30:35])), ForwardRequest(3, 0, tuple(prompt[:33]), all_logits=False)]
+        + [ForwardRequest(slot, 40, (new[0],)) for slot in (0, 1)]
+    )[0]
+    assert torch.equal(beside[:5], whole[30:35])
+    chain = [runner.forward([ForwardRequest(slot, 41, tuple(new[1:]))])[0] for slot in (0, 1)]
+    assert torch.equal(chain[0], chain[1])
