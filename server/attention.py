@@ -189,8 +189,9 @@ def compiled_rows(
     tiles: bool = False,
 ) -> CompiledRows:
     """The rows the numba kernel takes: those within NUMBA_MAX_NEW tokens and NUMBA_MAX_SCORES scores; in a step
-    the compiled layers can take (`compiled_step`), every row of up to NUMBA_MAX_NEW tokens and longer ones over up
-    to NUMBA_MAX_ROW_KEYS keys, so that the whole step runs compiled and no token's bits depend on the rest of it.
+    the compiled layers can take, and in every bfloat16 step (`compiled_step`: the runner decides), every row of up
+    to NUMBA_MAX_NEW tokens and longer ones over up to NUMBA_MAX_ROW_KEYS keys, so that the whole step runs
+    compiled (float32) and no token's bits depend on the rest of it.
     `tiles`: the attention tiles or loops (a model's attention_tiles: tiles_here() at its load)."""
 
     def takes(new: int, keys: int) -> bool:
