@@ -305,7 +305,7 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     # auto tries numba, then onednn; for bfloat16 numba only where its panels run (panels_here), faster than oneDNN
     # at every step on a Xeon without AMX; elsewhere oneDNN's packed layout is faster from 8 x 5 on.
     tried = [kind] if kind != "auto" else ["numba", "onednn"]
-    if kind == "auto" and dtype == torch.bfloat16 and (numba_unavailable(device, dtype) or not panels_here(dtype)):
+    if kind == "auto" and dtype == torch.bfloat16 and not panels_here(dtype):  # False where numba cannot run
         tried = ["onednn"]
     reasons = {}
     for path in tried:
@@ -358,9 +358,7 @@ def plain_for_numba(model: CausalLM) -> None:
 def numba_projection(dtype: torch.dtype) -> Projection:
     """The numba path's projection for weights of this dtype: PanelLinear where this process runs the panels
     (panels_here(dtype)), else PlainLinear."""
-    if dtype == torch.float32:
-        return PanelLinear if panels_here() else PlainLinear
-    return PanelLinear if dtype == torch.bfloat16 and panels_here(torch.bfloat16) else PlainLinear
+    return PanelLinear if panels_here(dtype) else PlainLinear
 
 
 # One decoder layer's products of the 1.5B ([out, in]: q/k/v, o, gate/up, down; 187 MB), in order, as a forward runs

@@ -42,7 +42,7 @@ def model(request):
             if not kernel.AVX512:
                 pytest.skip("the panels and the attention tiles are AVX-512 IR: elsewhere there is one form")
             panels, tiles = not panels, not tiles
-            patch.setattr(matmul, "panels_here", lambda: panels)
+            patch.setattr(matmul, "panels_here", lambda dtype=torch.float32: panels)
             patch.setattr(loading, "tiles_here", lambda: tiles)
         target = load_target(ResolvedModel("tiny", "hf", model_dir), device=CPU, dtype=torch.float32, matmul="numba")
     model = target.model
