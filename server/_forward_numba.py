@@ -94,6 +94,7 @@ own code and data.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from llvmlite import binding as llvm
@@ -112,7 +113,24 @@ _ONE = np.float32(1.0)
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 # The tile's vector width and x rows a pass: AVX-512's 32 registers hold 4 x 6 sums, six x vectors and one w
 # vector of 16 lanes; AVX2's 16 hold 4 x 3 sums of 8 lanes. numba's cache is per CPU, so each compiles its own.
-_AVX512 = bool(llvm.get_host_cpu_features().get("avx512f", False))
+_HOST_AVX512 = bool(llvm.get_host_cpu_features().get("avx512f", False))
+# Another CPU's forms, compiled here for tests (tests/test_kernel_forms.py): SPECEDGE_KERNEL_FORMS_OF=znver4 (Zen
+# 4's, on any AVX-512 CPU) or avx2 (an AVX2 CPU's, on any), so that the forms of a machine kind CI seldom runs on are
+# checked on the others. The forms are baked in as the kernels compile and neither numba's cache nor the cache dir's
+# kernel-forms.json (keyed by the CPU's name) knows them, so such a process must name caches of its own.
+FORMS_OF_ENV = "SPECEDGE_KERNEL_FORMS_OF"
+_FORMS_OF = os.environ.get(FORMS_OF_ENV)
+if _FORMS_OF is not None and (
+    _FORMS_OF not in ("znver4", "avx2")
+    or (_FORMS_OF == "znver4" and not _HOST_AVX512)
+    or not os.environ.get("NUMBA_CACHE_DIR")
+    or not os.environ.get("SPECEDGE_CACHE")
+):
+    raise RuntimeError(
+        f"{FORMS_OF_ENV}={_FORMS_OF}: a test hook that takes znver4 (on an AVX-512 CPU) or avx2, with NUMBA_CACHE_DIR "
+        "and SPECEDGE_CACHE set to caches of its own"
+    )
+_AVX512 = _HOST_AVX512 and _FORMS_OF != "avx2"
 _LANES, _LANE_BITS, _GROUP = (16, 4, 6) if _AVX512 else (8, 3, 3)
 _V = ir.VectorType(_F32, _LANES)
 # bfloat16 products (x and w as the int16 bits of bfloat16) on CPUs with AVX512_BF16: a step of a tile takes 32
@@ -128,7 +146,7 @@ _I8P = ir.IntType(8).as_pointer()
 # the AVX2 EPYC the plain loop read at 0.94-0.95x, so M = 1-2 keep it there. On a 2-core AVX-512 Xeon the lone
 # pass took 0.99x the plain loop's time at M = 1 and 0.95x at M = 2 in float32, 0.61x and 0.69x in bfloat16; and
 # the plain loops sum in LLVM's order, so there M = 1 gave each row other bits than M >= 2 (docs/engine-cpu.md).
-_ZEN_AVX512 = _AVX512 and llvm.get_host_cpu_name().startswith("znver")
+_ZEN_AVX512 = _AVX512 and (_FORMS_OF or llvm.get_host_cpu_name()).startswith("znver")
 # Plain-weight products of up to this many rows run `matmul` (and steps of as many tokens, the compiled layers);
 # larger ones, oneDNN's GEMM on the same plain weights (server/matmul.py), whose blocked kernels reuse each weight
 # over many more rows. Over a forward's worth of the

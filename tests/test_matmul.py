@@ -59,10 +59,9 @@ def test_a_rows_products_do_not_depend_on_how_many_rows_share_them(in_features, 
     from three on AVX2: fewer run plain loops that LLVM vectorizes in its own order), up to its limit; so on that
     path a token's products do not depend on the other tokens of its step. The last rows past the tiles' blocks
     are no exception."""
-    llvm = pytest.importorskip("llvmlite.binding")
-    if dtype == torch.bfloat16 and not llvm.get_host_cpu_features().get("avx512bf16", False):
+    _forward_numba = pytest.importorskip("specedge.server._forward_numba")  # numba's compiler
+    if dtype == torch.bfloat16 and not _forward_numba.DPBF16:
         pytest.skip("bfloat16 products need AVX512_BF16")
-    from specedge.server import _forward_numba
 
     torch.manual_seed(in_features + out_features)
     plain = PlainLinear(torch.randn(out_features, in_features, dtype=dtype), None)
@@ -152,8 +151,8 @@ def test_a_tied_embedding_reads_the_heads_panels(dtype):
 @pytest.mark.parametrize("out_features", [7, 130])  # partial blocks of 4 and of 3 rows
 @pytest.mark.parametrize("in_features", [48, 96, 1056])  # 48: no tile (K not a multiple of 32); 1056: K in chunks
 def test_plain_linear_in_bfloat16_sums_in_float32_and_rounds_once(in_features, out_features):
-    llvm = pytest.importorskip("llvmlite.binding")  # numba's compiler
-    if not llvm.get_host_cpu_features().get("avx512bf16", False) or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    _forward_numba = pytest.importorskip("specedge.server._forward_numba")  # numba's compiler
+    if not _forward_numba.DPBF16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("bfloat16 products need AVX512_BF16")
     assert matmul.numba_unavailable(CPU, torch.bfloat16) is None  # a kernel that fails its warm-up fails here
     torch.manual_seed(out_features)
