@@ -98,6 +98,7 @@ def summarize_cell(cell: Cell, runs: Sequence[CellRun], pricing: Pricing) -> dic
         "tokens": tokens,
         "wall_s": wall_s,
         "throughput_tok_s": _ratio(decode_tokens, decode_s),
+        "throughput_per_repeat_tok_s": [_ratio(tokens, seconds) for tokens, seconds, _ in windows],
         "run_throughput_tok_s": _ratio(tokens, wall_s),
         "decode_window_s": decode_s,
         "decode_tokens": decode_tokens,
@@ -209,6 +210,11 @@ def add_ratios(records: list[dict]) -> None:
             continue
         record["vs_ar"] = {
             "throughput_x": _safe_div(record["throughput_tok_s"], ar["throughput_tok_s"]),
+            # Repeat i against AR's repeat i, the two run next to each other (bench/run.py): how far one run moves it.
+            "throughput_x_per_repeat": [
+                _safe_div(mine, its)
+                for mine, its in zip(record["throughput_per_repeat_tok_s"], ar["throughput_per_repeat_tok_s"])
+            ],
             "run_throughput_x": _safe_div(record["run_throughput_tok_s"], ar["run_throughput_tok_s"]),
             "itl_p50_x": _safe_div(record["itl_p50_ms"], ar["itl_p50_ms"]),
             "itl_p95_x": _safe_div(record["itl_p95_ms"], ar["itl_p95_ms"]),

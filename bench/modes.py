@@ -89,9 +89,11 @@ class CellRun:
     counters: ServerCounters  # delta over the run
     edge_busy_s: float  # summed drafting time of the edges
     load_average: float  # the machine's 1-minute load average at the end (others' work shows here)
+    started_s: float = 0.0  # since the first cell started: the order the cells ran in
 
     def to_json(self) -> dict:
         return {
+            "started_s": self.started_s,
             "wall_s": self.wall_s,
             "edge_busy_s": self.edge_busy_s,
             "load_average": self.load_average,

@@ -28,6 +28,14 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _repeat_range(ratios: list[float | None]) -> str:
+    """ " (lowest-highest)" of the ratios repeat by repeat, where there were several and each has one."""
+    if len(ratios) < 2 or any(ratio is None for ratio in ratios):
+        return ""
+    known = [ratio for ratio in ratios if ratio is not None]
+    return f" ({min(known):.2f}-{max(known):.2f})"
+
+
 def _held(record: dict) -> str:
     """Steps held for rounds due back from edges: their share, the mean hold, and the awaited rounds missed."""
     share = record.get("held_steps_fraction")  # absent from records written before holds were scraped
@@ -72,7 +80,9 @@ def summary_markdown(results: dict) -> str:
         "mid-stream (ramp-up and drain excluded); *whole run* counts every token over the cell's wall time. "
         "*Ideal* is the best ratio this machine allows, from the server's cost curve measured in this run and "
         "each cell's acceptance, draft length, round trip, the drafting its rounds waited for and the prompts "
-        "prefilled in its window (bench/ideal.py, README).",
+        "prefilled in its window (bench/ideal.py, README). With `--repeats`, every cell runs once before any runs "
+        "again, and *throughput x* pools the repeats; in brackets, the lowest and highest ratio of one repeat to "
+        "AR's repeat beside it.",
         "",
         "| mode | N | RTT ms | throughput x | ideal x | of ideal | whole run x | ITL p50 x | ITL p95 x | "
         "cost efficiency x | acceptance | identical |",
@@ -83,7 +93,8 @@ def summary_markdown(results: dict) -> str:
             continue
         x = r["vs_ar"]
         lines.append(
-            f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | {_fmt(x['throughput_x'], '.2f', 'x')} | "
+            f"| {r['mode']} | {r['num_edges']} | {r['rtt_ms']:g} | {_fmt(x['throughput_x'], '.2f', 'x')}"
+            f"{_repeat_range(x.get('throughput_x_per_repeat') or [])} | "
             f"{_fmt(x.get('ideal_throughput_x'), '.2f', 'x')} | {_fmt(x.get('of_ideal'), '.0%')} | "
             f"{_fmt(x.get('run_throughput_x'), '.2f', 'x')} | "
             f"{_fmt(x['itl_p50_x'], '.2f', 'x')} | {_fmt(x['itl_p95_x'], '.2f', 'x')} | "

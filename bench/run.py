@@ -22,6 +22,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 from tqdm import tqdm
@@ -140,16 +141,19 @@ async def _measure(
             for mode in config.modes:
                 plan = [[jobs[0]] * config.warmup]
                 await run_cell(Cell(mode, 1, 0.0), server.address, fingerprint, short, plan, drafters)
+        # With --repeats, every cell runs once before any runs again (AR, SpecEdge, AR, SpecEdge, ...): a machine's
+        # drift over minutes then falls on both sides of each ratio, not on whichever cell ran later.
         raw: list = []
         curve = None
-        for cell in cells:
-            runs = []
-            for repeat in range(config.repeats):
+        origin = time.monotonic()
+        for repeat in range(config.repeats):
+            for cell in cells:
                 bar.set_description(f"{cell.mode} N={cell.num_edges} rtt={cell.rtt_ms:g}ms")
                 requests = config.requests_for(cell.num_edges, len(jobs))
                 plan = [[jobs[i] for i in edge] for edge in assignment(len(jobs), cell.num_edges, requests)]
                 busy_before = [getattr(d, "busy_s", 0.0) for d in drafters]
                 before = await asyncio.to_thread(server.scrape)
+                started_s = time.monotonic() - origin
                 wall_s, results = await run_cell(
                     dataclasses.replace(cell, repeat=repeat),
                     server.address,
@@ -167,12 +171,15 @@ async def _measure(
                 if _comparable(config, cell.mode):
                     for result in results:
                         result.identical = result.token_ids == references[index_of[result.prompt_id]]
-                runs.append(CellRun(wall_s, results, delta, edge_busy, os.getloadavg()[0]))
-            raw.append((cell, runs))
-            points = await asyncio.to_thread(server.scrape_cost_points)  # every step so far, calibration included
-            curve = CostCurve(points) if points else None
-            if on_cell is not None:
-                on_cell(raw, references, curve)
+                run = CellRun(wall_s, results, delta, edge_busy, os.getloadavg()[0], started_s)
+                if repeat == 0:
+                    raw.append((cell, [run]))
+                else:
+                    next(runs for measured, runs in raw if measured == cell).append(run)
+                points = await asyncio.to_thread(server.scrape_cost_points)  # every step so far, calibration included
+                curve = CostCurve(points) if points else None
+                if on_cell is not None:
+                    on_cell(raw, references, curve)
     finally:
         bar.close()
         for drafter in drafters:

@@ -566,6 +566,28 @@ def test_bench_runs_real_draft_models_as_edges(tiny_target_dir, tiny_draft_dir, 
     assert results["meta"]["profile"] is None
 
 
+def test_repeats_run_every_cell_in_turn_and_each_pairs_with_ars_beside_it(tiny_target_dir, tiny_draft_dir, tmp_path):
+    profile = tmp_path / "profile.json"
+    categories = {"all": CategoryProfile((0.9, 0.7, 0.5), 0.5, 1)}
+    profile.write_text(json.dumps(AcceptanceProfile("d", "t", categories, 0.001, 0.002).to_json()))
+    args = ("--modes", "ar", "specedge", "--num-edges", "1", "--max-prompts", "2", "--repeats", "2", "--warmup", "0")
+    results = _bench(
+        tmp_path, "--target", str(tiny_target_dir), "--draft", str(tiny_draft_dir), "--profile", str(profile), *args
+    )
+    # AR, SpecEdge, AR, SpecEdge: each repeat of every cell before the next repeat of any, so drift hits both sides.
+    starts = {cell["mode"]: [run["started_s"] for run in cell["runs"]] for cell in results["raw"]}
+    assert starts["ar"][0] < starts["specedge"][0] < starts["ar"][1] < starts["specedge"][1]
+    ar, spec = (next(r for r in results["records"] if r["mode"] == mode) for mode in ("ar", "specedge"))
+    per_repeat = spec["vs_ar"]["throughput_x_per_repeat"]
+    assert len(per_repeat) == 2 and per_repeat == [
+        pytest.approx(a / b) for a, b in zip(spec["throughput_per_repeat_tok_s"], ar["throughput_per_repeat_tok_s"])
+    ]
+    low, high = min(per_repeat), max(per_repeat)
+    assert f"| specedge | 1 | 5 | {spec['vs_ar']['throughput_x']:.2f}x ({low:.2f}-{high:.2f}) |" in (
+        (tmp_path / "out" / "summary.md").read_text()
+    )
+
+
 def test_random_target_presets_are_named_when_unknown(tiny_target_dir, capsys, tmp_path):
     status = cli.main(
         [
