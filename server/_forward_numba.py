@@ -115,20 +115,21 @@ _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 # vector of 16 lanes; AVX2's 16 hold 4 x 3 sums of 8 lanes. numba's cache is per CPU, so each compiles its own.
 _HOST_AVX512 = bool(llvm.get_host_cpu_features().get("avx512f", False))
 # Another CPU's forms, compiled here for tests (tests/test_kernel_forms.py): SPECEDGE_KERNEL_FORMS_OF=znver4 (Zen
-# 4's, on any AVX-512 CPU) or avx2 (an AVX2 CPU's, on any), so that the forms of a machine kind CI seldom runs on are
-# checked on the others. The forms are baked in as the kernels compile and neither numba's cache nor the cache dir's
-# kernel-forms.json (keyed by the CPU's name) knows them, so such a process must name caches of its own.
+# 4's, on any AVX-512 CPU), avx512 (an Intel AVX-512 CPU's, on Zen 4) or avx2 (an AVX2 CPU's, on any), so that the
+# forms of the machine kinds CI did not run on are checked on the one it did. The forms are baked in as the kernels
+# compile and neither numba's cache nor the cache dir's kernel-forms.json (keyed by the CPU's name) knows them, so
+# such a process must name caches of its own.
 FORMS_OF_ENV = "SPECEDGE_KERNEL_FORMS_OF"
 _FORMS_OF = os.environ.get(FORMS_OF_ENV)
 if _FORMS_OF is not None and (
-    _FORMS_OF not in ("znver4", "avx2")
-    or (_FORMS_OF == "znver4" and not _HOST_AVX512)
+    _FORMS_OF not in ("znver4", "avx512", "avx2")
+    or (_FORMS_OF != "avx2" and not _HOST_AVX512)
     or not os.environ.get("NUMBA_CACHE_DIR")
     or not os.environ.get("SPECEDGE_CACHE")
 ):
     raise RuntimeError(
-        f"{FORMS_OF_ENV}={_FORMS_OF}: a test hook that takes znver4 (on an AVX-512 CPU) or avx2, with NUMBA_CACHE_DIR "
-        "and SPECEDGE_CACHE set to caches of its own"
+        f"{FORMS_OF_ENV}={_FORMS_OF}: a test hook that takes znver4 or avx512 (on an AVX-512 CPU) or avx2, with "
+        "NUMBA_CACHE_DIR and SPECEDGE_CACHE set to caches of its own"
     )
 _AVX512 = _HOST_AVX512 and _FORMS_OF != "avx2"
 _LANES, _LANE_BITS, _GROUP = (16, 4, 6) if _AVX512 else (8, 3, 3)

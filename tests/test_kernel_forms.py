@@ -1,9 +1,10 @@
 """The numba kernel's forms for other CPUs, compiled and checked here (server/_forward_numba.py's FORMS_OF_ENV).
 
 The kernel compiles different code per machine kind: Zen 4 (AVX-512 on AMD) reads a lone row of weights row by
-row, walks long chunks of K, repeats its prefetches and keeps some sums in memory; an AVX2 CPU runs 8-lane tiles of
-other shapes. CI runs on whichever machine a session had, so those forms could break unseen for days. Each is
-compiled here in a process of its own, with caches of its own, and the product and layer tests run over it.
+row, walks long chunks of K, repeats its prefetches and keeps some sums in memory; an Intel AVX-512 CPU runs panels
+by default and its chunked passes take two blocks side by side; an AVX2 CPU runs 8-lane tiles of other shapes. CI
+runs on whichever machine a session had, so the others' forms could break unseen for days. Each is compiled here in
+a process of its own, with caches of its own, and the product and layer tests run over it.
 """
 
 from __future__ import annotations
@@ -20,23 +21,29 @@ llvm = pytest.importorskip("llvmlite.binding")
 
 ROOT = Path(__file__).parent.parent
 # What each machine kind's forms change: Zen 4's, the plain product and the layer over it (its attention is the
-# other CPUs'); AVX2's, those and the attention loops' prefetches.
+# other CPUs'); an Intel AVX-512 CPU's, those and the panels its layers take by default; AVX2's, those and the
+# attention loops' prefetches.
 SUITES = {
     "znver4": ["tests/test_matmul.py", "tests/test_layer_kernel.py", "-k", "not panel and not tied"],
+    "avx512": ["tests/test_matmul.py", "tests/test_layer_kernel.py"],
     "avx2": ["tests/test_matmul.py", "tests/test_layer_kernel.py", "tests/test_batched_forward.py"],
 }
+
+EXPECTED = {"znver4": ["True", "False", "120"], "avx512": ["True", "True", "56"], "avx2": ["False", "False", "48"]}
 
 
 def _native(forms: str) -> str | None:
     """Why this machine cannot or need not compile `forms` for another, or None."""
-    zen = forward_numba.AVX512 and llvm.get_host_cpu_name().startswith("znver")
-    if forms == "znver4":
-        return "Zen 4's forms are this CPU's own" if zen else None if forward_numba.AVX512 else "needs AVX-512"
-    return None if forward_numba.AVX512 else "an AVX2 CPU's forms are this CPU's own"
+    if forms == "avx2":
+        return None if forward_numba.AVX512 else "an AVX2 CPU's forms are this CPU's own"
+    if not forward_numba.AVX512:
+        return "needs AVX-512"
+    zen = llvm.get_host_cpu_name().startswith("znver")
+    return f"{forms}'s forms are this CPU's own" if zen == (forms == "znver4") else None
 
 
 def test_other_cpus_kernel_forms_compute_what_the_tests_ask(tmp_path):
-    """Both run at once (numba compiles on one core): about a minute and a half on a 2-core Xeon."""
+    """Two run here, at once (numba compiles on one core): about a minute and a half on a 2-core Xeon."""
     runs = {}
     for forms, suite in SUITES.items():
         if _native(forms) is not None:
@@ -48,8 +55,9 @@ def test_other_cpus_kernel_forms_compute_what_the_tests_ask(tmp_path):
         }
         probe = "import specedge.server._forward_numba as k; print(k.AVX512, k.PANELS, k.MAX_ROWS)"
         seen = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-        # The forms the process compiles: Zen 4's limit of 120 rows and no default panels, AVX2's 8 lanes.
-        assert seen.stdout.split() == (["True", "False", "120"] if forms == "znver4" else ["False", "False", "48"])
+        # The forms the process compiles: Zen 4's limit of 120 rows and no default panels, the Xeon's panels and 56
+        # rows, AVX2's 8 lanes.
+        assert seen.stdout.split() == EXPECTED[forms]
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *suite]
         runs[forms] = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
