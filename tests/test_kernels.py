@@ -9,13 +9,11 @@ self-contained, and a second process must load the forward's kernels from the ca
 from __future__ import annotations
 
 import ast
-import functools
 import json
 import os
 import pathlib
 import subprocess
 import sys
-import time
 import types
 from collections.abc import Callable
 
@@ -146,8 +144,22 @@ def test_a_kernel_that_fails_to_compile_leaves_the_others_their_speed(monkeypatc
     assert "no layer today" in line and "layers run module by module" in line
 
 
-def _taking(ms: float) -> Callable[[], None]:
-    return functools.partial(time.sleep, ms / 1e3)
+class _Clock:
+    """kernels' clock in a test: it moves only as a timed case runs, by the ms the case is said to take, so that
+    the choice is tested and not the machine's sleep (a loaded 2-core machine's 10 ms sleeps ran long enough to
+    turn "equal" into a win)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def perf_counter(self) -> float:
+        return self.seconds
+
+    def taking(self, ms: float) -> Callable[[], None]:
+        def run() -> None:
+            self.seconds += ms / 1e3
+
+        return run
 
 
 def test_a_form_is_chosen_by_its_summed_time_and_remembered_per_machine(tmp_path, monkeypatch, caplog):
@@ -161,12 +173,14 @@ def test_a_form_is_chosen_by_its_summed_time_and_remembered_per_machine(tmp_path
     kernel_file.write_text("# a kernel\n")
     kernel = types.ModuleType("kernel")
     kernel.__file__ = str(kernel_file)
+    clock = _Clock()
+    monkeypatch.setattr(kernels, "time", clock)
     timings = []
 
     def choose(subject: str, *cases: tuple[float, float]) -> str:
         def timed() -> list[dict[str, Callable[[], object]]]:
             timings.append(subject)
-            return [{"default": _taking(default), "other": _taking(other)} for default, other in cases]
+            return [{"default": clock.taking(default), "other": clock.taking(other)} for default, other in cases]
 
         return kernels.chosen_form(subject, "default", "other", kernel, timed, repeats=3, flush_bytes=0)
 
