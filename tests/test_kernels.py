@@ -146,8 +146,8 @@ def test_a_kernel_that_fails_to_compile_leaves_the_others_their_speed(monkeypatc
 
 class _Clock:
     """kernels' clock in a test: it moves only as a timed case runs, by the ms the case is said to take, so that
-    the choice is tested and not the machine's sleep (a loaded 2-core machine's 10 ms sleeps ran long enough to
-    turn "equal" into a win)."""
+    the choice is tested and not the machine's sleep (timed by 10 ms sleeps, the test failed once in a suite run
+    on a 2-core EPYC and passed alone)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
