@@ -53,7 +53,7 @@ BLOCKS = PANEL // 16  # B tiles a chunk
 _CHUNK_BYTES = BLOCKS * 16 * 64  # one chunk: four 16 x 64-byte tiles
 # Each step prefetches the first two lines of the chunk 16 chunks on, into L2: the L2's streamer, which stops at
 # every 4 KB page (one chunk), then fetches the rest of that page in time. Over the 1.5B's LM head (467 MB) on a
-# 2-core AMX Xeon, alone, at 0.89-0.98x the time of prefetching every line of the chunk two on.
+# 2-core AMX Xeon, alone: 20.4 ms, against 23.3 prefetching every line of the chunk two on and 21.7 with none.
 _AHEAD = 16 * _CHUNK_BYTES
 _I64 = ir.IntType(64)
 
