@@ -27,8 +27,8 @@ blocks of four weight rows and walks x a few rows at a time, so a weight row is 
 from memory once and then from cache, by each later pass. At small M this reads the
 weights at or near the machine's memory speed, where oneDNN and MKL reach 50-85% of it
 (`specedge-bench engine`'s kernel table). Larger M are left to oneDNN, whose
-blocked GEMM reuses each weight over many more rows (MAX_ROWS). From three x rows
-on (on AVX-512 from one), passes take x up to _GROUP rows at a time, in groups as even
+blocked GEMM reuses each weight over many more rows (MAX_ROWS). From one x row on
+(K a multiple of the step), passes take x up to _GROUP rows at a time, in groups as even
 as the rows allow, and each pass prefetches its share of the next block's lines, one
 line every step or two (on Zen 4 the whole next block, up to four lines a step), so that a pass reading
 its block from cache does not leave the memory idle. On Zen 4, M = 1 reads w a row at a time
@@ -144,9 +144,11 @@ _I8P = ir.IntType(8).as_pointer()
 # AMD's AVX-512 cores (Zen 4 on): there a lone pass (one pass takes every x row) prefetching the whole next block
 # read [8960, 1536] weights at 0.93-0.98x a torch read where the plain loop read at 0.79-0.81x (M = 1), and at
 # M = 3-6 1.10-1.16x faster than prefetching half the block, in turn on a 2-core EPYC (docs/engine-cpu.md). On
-# the AVX2 EPYC the plain loop read at 0.94-0.95x, so M = 1-2 keep it there. On a 2-core AVX-512 Xeon the lone
-# pass took 0.99x the plain loop's time at M = 1 and 0.95x at M = 2 in float32, 0.61x and 0.69x in bfloat16; and
-# the plain loops sum in LLVM's order, so there M = 1 gave each row other bits than M >= 2 (docs/engine-cpu.md).
+# a 2-core AVX-512 Xeon the lone pass took 0.99x the plain loop's time at M = 1 and 0.95x at M = 2 in float32, 0.61x
+# and 0.69x in bfloat16; on a 2-core AVX2 EPYC, over all of the 1.5B's products in turn with an identical copy of the
+# plain loops (0.97-0.99x), 0.98-1.00x at M = 1 and 0.95-0.96x at M = 2 (prefetching two lines a step instead of
+# one: 1.12-1.14x). And the plain loops sum in LLVM's order, so that M = 1 gave each row other bits than M >= 2
+# (docs/engine-cpu.md): every CPU now takes the lone pass from one row.
 _ZEN_AVX512 = _AVX512 and (_FORMS_OF or llvm.get_host_cpu_name()).startswith("znver")
 # Plain-weight products of up to this many rows run `matmul` (and steps of as many tokens, the compiled layers);
 # larger ones, oneDNN's GEMM on the same plain weights (server/matmul.py), whose blocked kernels reuse each weight
@@ -167,7 +169,7 @@ MAX_ROWS = 120 if _ZEN_AVX512 else 56 if _AVX512 else 48
 # M = 9-12 (on the plain weights the kernel reads), 0.44x at M = 40, but 1.09-1.35x at M = 4-8: so up to 8 rows.
 _AMX = _AVX512 and bool(llvm.get_host_cpu_features().get("amx-bf16", False))
 MAX_ROWS_BFLOAT16 = 64 if _ZEN_AVX512 else 8 if _AMX else 40 if _AVX512 else MAX_ROWS
-_PREFETCH_FROM = 1 if _AVX512 else 3  # x rows from which the product's passes prefetch the next block
+_PREFETCH_FROM = 1  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 # The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of
 # it elsewhere. With the 3 x 8 tile's fence (_step_fence), every product of the 1.5B in turn with the tiles before
@@ -335,9 +337,9 @@ def warm_up_matmul_bfloat16() -> None:
 
 def _check_products(one) -> None:
     """All-ones products of every pass the kernel has, in one's type: the plain loops, then prefetching passes of
-    every size (AVX2: 2 + 2, 3 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4 and 5 alone, the 3 x 7 and 3 x 8
-    tiles, 6 + 5 (bfloat16: 4 + 4 + 3), 1 and 2 alone; on Zen 4 also 1 row by row, and 1 alone where x passes
-    _ROW_BY_ROW_BYTES). 64 columns: two of bfloat16's steps."""
+    every size (AVX2: 1 and 2 alone, 2 + 2, 3 + 2, 3 + 2 + 2, 3 + 3 + 2, 3 + 3 + 3 + 2; AVX-512: 4 and 5 alone, the
+    3 x 7 and 3 x 8 tiles, 6 + 5 (bfloat16: 4 + 4 + 3), 1 and 2 alone; on Zen 4 also 1 row by row, and 1 alone where
+    x passes _ROW_BY_ROW_BYTES). 64 columns: two of bfloat16's steps."""
     shapes = ((3, 5), (1, 4 * _LANES), (2, 4 * _LANES), (4, 4 * _LANES), (5, 4 * _LANES), (7, 4 * _LANES))
     long_row = (1, _ROW_BY_ROW_BYTES // np.dtype(type(one)).itemsize + 4 * _LANES)
     for rows, columns in (*shapes, (8, 4 * _LANES), long_row, (11, 4 * _LANES)):
