@@ -262,8 +262,17 @@ def argmax_and_race(
                 continue
             # Rejection sampling's verdict on the row's draft, from p there, with the row still in cache; a
             # rejection's residual is raced at once, and ends the walk.
+            # First on the blocks near the max and a bound on the others: where that accepts the draft, the whole
+            # normaliser would too (_VERDICT_SLACK to spare), and the rest of the row's exponentials are skipped.
             top_logit = row[top[r]]
-            norms[r] = _log_norm(row, top_logit, block_max, scale, floor)
+            lowest, near = _lowest_terms(top_logit, scale, floor)
+            near_sum, far_bound = _near_terms(row, top_logit, block_max, scale, lowest, near)
+            highest_norm = math.log((near_sum + far_bound * (1.0 + _BOUND_SLACK)) * (1.0 + _VERDICT_SLACK))
+            surely = _prob(row[draft_tokens[r]], top_logit, scale, floors[r], highest_norm) * (1.0 - _VERDICT_SLACK)
+            if thresholds[r] < surely:
+                verdicts[r] = ACCEPTED  # norms[r] stays NaN
+                continue
+            norms[r] = math.log(near_sum + _far_terms(row, top_logit, block_max, scale, lowest, near))
             if thresholds[r] < _prob(row[draft_tokens[r]], top_logit, scale, floors[r], norms[r]):
                 verdicts[r] = ACCEPTED
                 continue
@@ -324,23 +333,59 @@ def _exp(x):
     return (p * (r * r) + r + np.float32(1.0)) * _float32_from_bits(np.int32((np.int32(k) + np.int32(127)) << 23))
 
 
+# A rejection-sampled row's normaliser, log sum exp((logit - max) / T) over its tokens with logit >= floor, is summed
+# while the row is still in cache from its argmax: first over the blocks whose max (block_max, from _argmax) lies
+# within _NEAR T of the row's max, with each other block bounded by _BLOCK times its max's term; where that cannot
+# accept the draft, over the other blocks too. A block whose max is below the lowest logit that counts is skipped.
+# On the 1.5B's logits of real text (T = 0.8) the near blocks were 14% of a row's blocks and the bound on the others
+# 2% of the normaliser (a median; at 16 T, 37% and 0.08%), and a good draft model's drafts are mostly accepted, so
+# most of such a row's exponentials are never computed. The bound's slack covers a block's float32 sum of terms each
+# within 2e-7 of its exponential; the verdict's, the float64 sums' order and the verdict's logarithm and exponential.
+_NEAR = np.float32(-12.0)
+_BOUND_SLACK, _VERDICT_SLACK = 1e-3, 1e-9
+
+
+@njit(inline="always")
+def _lowest_terms(top_logit, temperature, floor):
+    """(the lowest logit whose term counts, the lowest a near block's max may be), float32."""
+    lowest = max(floor, top_logit + _NEGLIGIBLE * temperature)
+    return lowest, max(lowest, top_logit + _NEAR * temperature)
+
+
 # Sums in any order, so that the exponentials go a vector at a time (16 with AVX-512, else 8): a block's 256
-# terms in float32 lanes (each <= 1), the blocks in float64. A call of its own, not inlined, so that it keeps
+# terms in float32 lanes (each <= 1), the blocks in float64. Calls of their own, not inlined, so that they keep
 # these flags.
 @njit(fastmath={"reassoc", "nsz", "arcp", "contract"})
-def _log_norm(row, top_logit, block_max, temperature, floor):
-    """log sum exp((logit - max) / T) over a finite row's tokens with logit >= floor, while the row is still
-    in cache from its argmax: a block whose max (block_max, from _argmax) is below the lowest logit that
-    counts is skipped."""
+def _near_terms(row, top_logit, block_max, temperature, lowest, near):
+    """(the sum of exp((logit - max) / T) over the near blocks' logits >= lowest, float64; a bound on the same sum
+    over the other blocks, _BLOCK times each one's largest term)."""
     _wide_vectors()
-    lowest = max(floor, top_logit + _NEGLIGIBLE * temperature)
+    scale = np.float32(1.0) / temperature
+    largest = np.float32(0.0)
+    for block in range(block_max.shape[0]):
+        highest = block_max[np.uintp(block)]
+        term = _exp(max(np.float32(highest - top_logit) * scale, _NEGLIGIBLE))
+        largest += term if (highest >= lowest) & (highest < near) else np.float32(0.0)
+    total = 0.0
+    for block in range(block_max.shape[0]):
+        if block_max[block] >= near:
+            start = block * _BLOCK
+            total += _terms(row, start, min(start + _BLOCK, row.shape[0]), top_logit, scale, lowest)
+    return total, np.float64(largest) * _BLOCK
+
+
+@njit(fastmath={"reassoc", "nsz", "arcp", "contract"})
+def _far_terms(row, top_logit, block_max, temperature, lowest, near):
+    """The sum of exp((logit - max) / T) over the other blocks' logits >= lowest (float64)."""
+    _wide_vectors()
     scale = np.float32(1.0) / temperature
     total = 0.0
     for block in range(block_max.shape[0]):
-        if block_max[block] >= lowest:
+        highest = block_max[block]
+        if highest >= lowest and highest < near:
             start = block * _BLOCK
             total += _terms(row, start, min(start + _BLOCK, row.shape[0]), top_logit, scale, lowest)
-    return math.log(total)
+    return total
 
 
 @njit(inline="always", fastmath={"reassoc", "nsz", "arcp", "contract"})

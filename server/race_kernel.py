@@ -102,7 +102,9 @@ def argmax_and_race(
     A row with a draft (`drafts`) gets rejection sampling's verdict on it, from p there, and its
     log-normaliser, log sum exp((logit - max) / T) over its tokens with logit >= floor (float64; NaN at
     every other row), summed while the row is still in cache, skipping the blocks whose weight a float64
-    sum cannot see; a rejected draft's draw is its residual's sample, normalize(max(p - q, 0)) (p itself
+    sum cannot see. A draft that the blocks near the max and a bound on the others already accept is
+    accepted there, as the whole sum would, and its row's normaliser is left NaN (never summed). A
+    rejected draft's draw is its residual's sample, normalize(max(p - q, 0)) (p itself
     where that is empty), raced with the row's own noise key. A chain is walked in order: after its
     first rejection or a row that is not finite, its rows are read for their argmax and finiteness
     only (UNDECIDED, their draw the argmax), so a bonus row is raced only where every draft was accepted."""

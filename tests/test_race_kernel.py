@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import subprocess
 import sys
@@ -221,6 +222,43 @@ def test_log_norms_are_float64_logsumexp(temperature):
     shifted = (logits.double() - values[:, None].double()) / max(temperature, torch.finfo(torch.float32).tiny)
     exact = shifted.masked_fill(logits < floors[:, None].float(), -math.inf).logsumexp(dim=-1)
     torch.testing.assert_close(compiled[with_draft], exact[with_draft], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.8, 1.0])
+def test_drafts_decided_on_part_of_the_normaliser_get_the_whole_ones_verdict(temperature):
+    """A draft is first judged on the exponentials of the blocks near its row's max and a bound on the others
+    (_near_terms); the whole normaliser is summed only where that cannot accept it. Thresholds on either side of
+    each draft's p get the verdict the whole normaliser gives: 1e-4 off p (torch's float64 logsumexp), and 1e-12 off
+    the p the kernel computes from its whole normaliser. Only a threshold far enough below p is decided without the
+    whole normaliser (its row's normaliser left NaN)."""
+    generator = torch.Generator().manual_seed(12)
+    logits = torch.randn(8, 20_000, generator=generator) * 2.0  # text-like: a few tokens far above the rest
+    logits[:, 100:104] += torch.tensor([14.0, 13.0, 11.0, 9.0])
+    # 32 blocks just past the near ones: about 1% of the normaliser, which only the bound on them accounts for.
+    logits[:, 4096:12288] = (logits.max(dim=-1).values - 13.5 * temperature)[:, None]
+    temperatures = torch.full((8,), temperature, dtype=torch.float64)
+    floors = torch.full((8,), -math.inf, dtype=torch.float64)
+    racing, keys = np.zeros(8, np.bool_), torch.zeros(8, dtype=torch.long)
+    tokens = torch.tensor([100, 101, 102, 103] * 2)
+    dists = [SparseDist([int(t)], [1.0]) for t in tokens.tolist()]
+
+    def decided(thresholds):
+        drafts = dataclasses.replace(_rejected_outright(dists), thresholds=thresholds)
+        _, _, _, norms, verdicts = race_kernel.argmax_and_race(logits, None, racing, temperatures, floors, keys, drafts)
+        return verdicts.tolist(), norms.isnan().tolist()
+
+    picked, top_logits = logits[torch.arange(8), tokens], logits.max(dim=-1).values
+    weights = ((picked - top_logits) / torch.tensor(temperature, dtype=torch.float32)).double()
+    shifted = (logits.double() - top_logits[:, None].double()) / temperature
+    exact = (weights - shifted.logsumexp(dim=-1)).exp().numpy()
+    whole = race_kernel.argmax_and_race(logits, None, racing, temperatures, floors, keys, _rejected_outright(dists))[3]
+    computed = (weights - whole).exp().numpy()  # p as the kernel computes it from the whole normaliser
+    accepted, rejected = [race_kernel.ACCEPTED] * 8, [race_kernel.REJECTED] * 8
+    assert decided(exact * 0.5) == (accepted, [True] * 8)  # surely, on part of each row
+    assert decided(exact * (1 - 1e-4))[0] == accepted
+    assert decided(exact * (1 + 1e-4)) == (rejected, [False] * 8)
+    assert decided(computed * (1 - 1e-12)) == (accepted, [False] * 8)  # within the slack: the whole normaliser
+    assert decided(computed * (1 + 1e-12)) == (rejected, [False] * 8)
 
 
 def test_draw_rows_agree_on_the_compiled_and_the_eager_path():
