@@ -55,10 +55,9 @@ def _assert_computes(module: torch.nn.Module, linear: torch.nn.Linear, row_count
 @pytest.mark.parametrize("out_features", [9, 130, 131, 774])  # ragged: partial blocks of 4 rows and of 3; 774 as above
 @pytest.mark.parametrize("in_features", [96, 2080])  # 2080 (Zen 4, 16 rows on): K in chunks of 2048 and 32
 def test_a_rows_products_do_not_depend_on_how_many_rows_share_them(in_features, out_features, dtype):
-    """Every x row's products have the same bits at every row count the kernel's tiles take (from one row on AVX-512,
-    from three on AVX2: fewer run plain loops that LLVM vectorizes in its own order), up to its limit; so on that
-    path a token's products do not depend on the other tokens of its step. The last rows past the tiles' blocks
-    are no exception."""
+    """Every x row's products have the same bits at every row count the kernel's tiles take (from one row on every
+    CPU), up to its limit; so on that path a token's products do not depend on the other tokens of its step. The
+    last rows past the tiles' blocks are no exception."""
     _forward_numba = pytest.importorskip("specedge.server._forward_numba")  # numba's compiler
     if dtype == torch.bfloat16 and not _forward_numba.DPBF16:
         pytest.skip("bfloat16 products need AVX512_BF16")
