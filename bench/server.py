@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+from specedge.bench.lifeline import dying_with_parent
 
 
 class ServerFailed(RuntimeError):
@@ -25,28 +23,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def die_with_parent(then: Callable[[], object] | None = None) -> Callable[[], object] | None:
-    """A Popen preexec_fn: the child gets SIGTERM when its parent dies, even by SIGKILL or a crash, so no
-    server outlives the benchmark or test run that started it (and holds its gigabytes). Then `then`, if given.
-
-    Linux ties the signal to the thread that forks, not the process: this returns None (no signal) off the
-    main thread, where the thread's end would stop a server that should live on, and off Linux: just `then`.
-    """
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return then
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
-    parent = os.getpid()
-
-    def in_child() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the signal was set: nobody would send it now
-            os.kill(os.getpid(), signal.SIGTERM)
-        if then is not None:
-            then()
-
-    return in_child
 
 
 class ServerProcess:
@@ -67,11 +43,9 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": str(len(self._pin_cpus))} if self._pin_cpus else None
         binary = os.path.join(os.path.dirname(sys.executable), "specedge-server")
-        pin = self._pin_cpus
         self._process = subprocess.Popen(
-            [binary, *self._args, "--log-level", "WARNING"],
+            dying_with_parent([binary, *self._args, "--log-level", "WARNING"], cpus=self._pin_cpus),
             env=env,
-            preexec_fn=die_with_parent((lambda: os.sched_setaffinity(0, pin)) if pin else None),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 
-from specedge.bench.server import die_with_parent
+from specedge.bench.lifeline import dying_with_parent
 from specedge.server.app import ServerConfig, SpecEdgeServer
 from specedge.server.runner import Runner
 
@@ -152,9 +152,7 @@ def start_server_process(
     # Port 0 unless the caller needs a known one: a port picked here and bound later by the server could be taken
     # meanwhile (tensor-parallel ranks open their own sockets first).
     command = [*launcher, server, *args, "--port", str(port or 0)]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent()
-    )
+    process = subprocess.Popen(dying_with_parent(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ready = re.compile(rf"specedge-server ready on (127\.0\.0\.1:{port or '[0-9]+'})")
     lines: list[str] = output if output is not None else []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
@@ -344,7 +342,7 @@ class ApiProcess:
     def __init__(self, *args: str, timeout_s: float = 600):
         port = free_port()
         command = [os.path.join(os.path.dirname(sys.executable), "specedge-edge"), "serve", *args, "--port", str(port)]
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent())
+        self.process = subprocess.Popen(dying_with_parent(command), stderr=subprocess.PIPE, text=True)
         self.stderr_lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.stderr_lines.extend(iter(self.process.stderr.readline, "")))
         self._reader.start()

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from harness import free_port
-from specedge.bench.server import die_with_parent
+from specedge.bench.lifeline import dying_with_parent
 
 
 def mosquitto_binary() -> str | None:
@@ -54,11 +54,10 @@ class Broker:
 
     def __enter__(self) -> Broker:
         self.process = subprocess.Popen(
-            [self.binary, "-c", str(self.config_file)],
+            dying_with_parent([self.binary, "-c", str(self.config_file)]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=die_with_parent(),
         )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -9,14 +9,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent import futures
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from harness import tiny_server
 from specedge.bench import cli
 from specedge.bench.config import MODES, BenchConfig, Pricing
 from specedge.bench.ideal import CostCurve, ideal_cycle, ideal_ratio, schedule_rate
+from specedge.bench.lifeline import dying_with_parent
 from specedge.bench.metrics import (
     REQUIRED_FIELDS,
     add_ideal,
@@ -678,9 +683,9 @@ def test_tensor_parallel_bench_compares_tp1_and_tp2_with_the_same_answers(tiny_t
 # A parent that starts `sleep` as the harness starts a server, prints its pid, then dies by SIGKILL.
 _PARENT = """
 import os, signal, subprocess, sys
-from specedge.bench.server import die_with_parent
+from specedge.bench.lifeline import dying_with_parent
 quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # so that run() sees the parent's pipes close
-child = subprocess.Popen(["sleep", "300"], preexec_fn=die_with_parent(), **quiet)
+child = subprocess.Popen(dying_with_parent(["sleep", "300"]), **quiet)
 print(child.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -711,16 +716,49 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_off_the_main_thread_a_server_gets_no_parent_death_signal():
-    """Linux sends it when the forking thread ends: a server started from a worker thread must outlive it."""
-    import threading
-
-    from specedge.bench.server import die_with_parent
-
-    then = print
+def test_off_the_main_thread_a_server_gets_no_parent_death_signal_but_keeps_its_cpus():
+    """Linux sends it when the starting thread ends: a server started from a worker thread must outlive it."""
     got = []
-    worker = threading.Thread(target=lambda: got.extend([die_with_parent(), die_with_parent(then)]))
+    worker = threading.Thread(
+        target=lambda: got.extend([dying_with_parent(["x"]), dying_with_parent(["x"], cpus={1, 0})])
+    )
     worker.start()
     worker.join()
-    assert got == [None, then]
-    assert die_with_parent() is not None  # on the main thread: set
+    assert got[0] == ["x"]
+    assert "--parent" not in got[1] and got[1][-4:] == ["--cpus", "0,1", "--", "x"]
+    assert "--parent" in dying_with_parent(["x"])  # on the main thread: set
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_pinned_child_runs_on_its_cpus_and_a_command_is_required():
+    allowed = subprocess.run(
+        dying_with_parent(["grep", "Cpus_allowed_list", "/proc/self/status"], cpus={0}),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert allowed.stdout.split() == ["Cpus_allowed_list:", "0"]
+    launcher = dying_with_parent(["true"])[:-2]  # everything before "-- true"
+    missing = subprocess.run([*launcher, "--"], capture_output=True, text=True)
+    assert missing.returncode == 1 and "usage: lifeline.py" in missing.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_children_start_while_this_process_holds_a_grpc_channel():
+    """grpc/grpc#43055: a child forked (Popen's preexec_fn) while gRPC lives here restarts gRPC's poller, and
+    close_fds closes the poller's epoll descriptor before exec: the child aborts. A CI run lost its benchmark
+    server so. A `true` forked so died in 0.7-3.3% of starts on a 2-core Zen 4; a PATH of 20,000 missing
+    directories before the real one holds the child between the close and the exec, and then about 40% died."""
+    assert not os.path.exists("/n"), "the PATH below must miss"
+    env = {**os.environ, "PATH": ":".join(["/n"] * 20_000 + [os.environ["PATH"]])}
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())  # then idle, as a test's
+            codes = [subprocess.run(dying_with_parent(["true"]), env=env).returncode for _ in range(40)]
+    finally:
+        server.stop(0)
+    assert codes == [0] * 40, f"{sum(code != 0 for code in codes)} of 40 children died: {set(codes)}"
