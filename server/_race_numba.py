@@ -361,17 +361,17 @@ def _near_terms(row, top_logit, block_max, temperature, lowest, near):
     over the other blocks, _BLOCK times each one's largest term)."""
     _wide_vectors()
     scale = np.float32(1.0) / temperature
-    largest = np.float32(0.0)
+    far_tops = np.float32(0.0)  # the far blocks' largest terms, summed
     for block in range(block_max.shape[0]):
         highest = block_max[np.uintp(block)]
         term = _exp(max(np.float32(highest - top_logit) * scale, _NEGLIGIBLE))
-        largest += term if (highest >= lowest) & (highest < near) else np.float32(0.0)
+        far_tops += term if (highest >= lowest) & (highest < near) else np.float32(0.0)
     total = 0.0
     for block in range(block_max.shape[0]):
         if block_max[block] >= near:
             start = block * _BLOCK
             total += _terms(row, start, min(start + _BLOCK, row.shape[0]), top_logit, scale, lowest)
-    return total, np.float64(largest) * _BLOCK
+    return total, np.float64(far_tops) * _BLOCK
 
 
 @njit(fastmath={"reassoc", "nsz", "arcp", "contract"})
