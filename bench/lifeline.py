@@ -53,7 +53,11 @@ def main(argv: Sequence[str]) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
     if "--cpus" in options:
         os.sched_setaffinity(0, {int(cpu) for cpu in options["--cpus"].split(",")})
-    os.execvp(command[0], command)
+    try:
+        os.execvp(command[0], command)
+    except OSError as error:  # as a shell says it, where Popen would have raised it in the parent
+        print(f"lifeline.py: cannot run {command[0]}: {error.strerror}", file=sys.stderr)
+        sys.exit(127 if isinstance(error, FileNotFoundError) else 126)
 
 
 def _split(argv: Sequence[str]) -> tuple[dict[str, str], list[str]]:

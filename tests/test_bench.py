@@ -730,7 +730,7 @@ def test_off_the_main_thread_a_server_gets_no_parent_death_signal_but_keeps_its_
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_a_pinned_child_runs_on_its_cpus_and_a_command_is_required():
+def test_a_pinned_child_runs_on_its_cpus_and_a_missing_command_is_named():
     allowed = subprocess.run(
         dying_with_parent(["grep", "Cpus_allowed_list", "/proc/self/status"], cpus={0}),
         capture_output=True,
@@ -741,6 +741,9 @@ def test_a_pinned_child_runs_on_its_cpus_and_a_command_is_required():
     launcher = dying_with_parent(["true"])[:-2]  # everything before "-- true"
     missing = subprocess.run([*launcher, "--"], capture_output=True, text=True)
     assert missing.returncode == 1 and "usage: lifeline.py" in missing.stderr
+    nowhere = subprocess.run(dying_with_parent(["/nonexistent/specedge-server"]), capture_output=True, text=True)
+    assert nowhere.returncode == 127
+    assert nowhere.stderr == "lifeline.py: cannot run /nonexistent/specedge-server: No such file or directory\n"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
