@@ -21,7 +21,7 @@ Measured one after the other in this process (CPU only):
 3. HF transformers' own greedy decoding on the same weights (ms per token; not for random: targets);
 4. host time per step: server/draws.py's draw_rows over --host-rows rows x 5 tokens of the target's logits
    (of a random context, flat and scaled to peaked, and of the shipped prompts' text);
-5. peak RSS after each phase and the KV cache each path reserved.
+5. peak RSS after each phase, the KV cache each path reserved, and the private peak while each path loaded.
 
 A step is named ROWSxTOKENS, +pN or both: "8x5" is 8 rows of 5 new tokens (causal chains with every
 token's logits, like verify rounds), each on a --prefix-token cache; "+p120" adds one 120-token prefill
@@ -43,6 +43,7 @@ import re
 import resource
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -230,14 +231,58 @@ def _memory() -> dict:
     file pages (clean, reclaimable) for as long as any tensor keeps that mapping alive.
     """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    status = {}
-    try:  # "RssAnon:   6378688 kB"
+    status = _proc_status()
+    return {"peak_rss_bytes": peak, "rss_bytes": status.get("VmRSS"), "rss_anon_bytes": status.get("RssAnon")}
+
+
+def _proc_status() -> dict[str, int | None]:
+    """/proc/self/status's sizes in bytes ("RssAnon:   6378688 kB"); {} where there is no /proc."""
+    status: dict[str, int | None] = {}
+    try:
         for line in pathlib.Path("/proc/self/status").read_text().splitlines():
             key, _, value = line.partition(":")
             status[key] = int(value.split()[0]) * 1024 if value.strip().endswith("kB") else None
     except OSError:
         pass
-    return {"peak_rss_bytes": peak, "rss_bytes": status.get("VmRSS"), "rss_anon_bytes": status.get("RssAnon")}
+    return status
+
+
+class PrivatePeak:
+    """`with PrivatePeak() as peak:` ... then peak.bytes: the largest private (anonymous) RSS seen meanwhile, read
+    from /proc every `interval_s`; None where there is no /proc.
+
+    This is what a load needs of memory. ru_maxrss, the peak RSS, also counts the pages of the memory-mapped
+    checkpoint that the load copies the weights out of: on the 1.5B in float32 the peak read 13.8 GiB, about half
+    of it that clean, reclaimable map (bench/RESULTS.md, 2026-12-07). Linux keeps no peak of the private part,
+    hence the sampling; a spike shorter than the interval can be missed.
+    """
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.bytes: int | None = None
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, name="private-peak", daemon=True)
+
+    def __enter__(self) -> PrivatePeak:
+        self._note()  # the start, before the sampler's first turn
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self._note()  # the end state, whatever the last interval saw
+
+    def _sample(self) -> None:
+        while True:
+            self._note()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _note(self) -> None:
+        anon = _proc_status().get("RssAnon")
+        if anon is not None:
+            self.bytes = max(self.bytes or 0, anon)
 
 
 def stream_bandwidth(gb: float, repeats: int) -> dict:
@@ -406,7 +451,8 @@ def time_path(
     """
     dtype, cpu = DTYPES[config.dtype], torch.device("cpu")
     start = time.perf_counter()
-    target = load_target(resolved, device=cpu, dtype=dtype, matmul=path)
+    with PrivatePeak() as load_peak:
+        target = load_target(resolved, device=cpu, dtype=dtype, matmul=path)
     load_s = time.perf_counter() - start
     progress(f"{path}: loaded {target.name} in {load_s:.1f} s")
     model = target.model
@@ -468,6 +514,7 @@ def time_path(
         "attention": attention,
         "compiled_layers": layers is not None,
         "load_s": load_s,
+        "load_private_peak_bytes": load_peak.bytes,
         "steps": results,
         "kv_cache_bytes": kv_bytes,
         **_memory(),
@@ -1045,10 +1092,16 @@ def engine_markdown(results: dict) -> str:
         "",
         "## Memory",
         "",
-        "| after | peak RSS GiB | RSS GiB | of which private GiB | KV cache GiB |",
-        "|---|---|---|---|---|",
-        f"| limits | {_rss(limits['memory'])} | - |",
-        *(f"| {p} path | {_rss(f)} | {_gib(f['kv_cache_bytes'])} |" for p, f in paths.items()),
-        *([] if "skipped" in hf else [f"| transformers | {_rss(hf)} | - |"]),
+        "The peak RSS also counts the memory-mapped checkpoint's clean pages while a load copies the weights out of"
+        " them; the private peak while loading is what the load needs of memory.",
+        "",
+        "| after | peak RSS GiB | RSS GiB | of which private GiB | private peak while loading GiB | KV cache GiB |",
+        "|---|---|---|---|---|---|",
+        f"| limits | {_rss(limits['memory'])} | - | - |",
+        *(
+            f"| {p} path | {_rss(f)} | {_gib(f.get('load_private_peak_bytes'))} | {_gib(f['kv_cache_bytes'])} |"
+            for p, f in paths.items()
+        ),
+        *([] if "skipped" in hf else [f"| transformers | {_rss(hf)} | - | - |"]),
     ]
     return "\n".join(lines) + "\n"

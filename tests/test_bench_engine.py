@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from specedge.bench import cli
-from specedge.bench.engine import ATTENTION_STEPS, DEFAULT_STEPS, PATHS, CostModel, Step, _below_roofline_lines
+from specedge.bench.engine import (
+    ATTENTION_STEPS,
+    DEFAULT_STEPS,
+    PATHS,
+    CostModel,
+    PrivatePeak,
+    Step,
+    _below_roofline_lines,
+)
 from specedge.server.attention import tiles_here
 from specedge.server.matmul import numba_kernel, panels_here
 from specedge.server.model import ModelArgs
@@ -116,8 +124,10 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
                 for name in DEFAULT_STEPS
             }
         figures |= {
-            f"{path} {key}": run.get(key) for key in ("kv_cache_bytes", "peak_rss_bytes", "rss_anon_bytes", "load_s")
+            f"{path} {key}": run.get(key)
+            for key in ("kv_cache_bytes", "peak_rss_bytes", "rss_anon_bytes", "load_s", "load_private_peak_bytes")
         }
+        assert run.get("load_private_peak_bytes", 0) <= run.get("peak_rss_bytes", 0)  # a part of the RSS, never more
     missing = {name: value for name, value in figures.items() if not (isinstance(value, (int, float)) and value > 0)}
     assert not missing, f"missing or non-positive figures: {missing}"
     assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(PATHS)
@@ -286,3 +296,21 @@ def test_the_bench_runs_as_a_module(tmp_path):
     done = subprocess.run([*command, "--no-progress"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("specedge-bench: "), done.stderr
     assert "no such model" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_private_peak_sees_memory_freed_before_the_block_ends():
+    """ru_maxrss counts a load's memory-mapped checkpoint; the private peak is sampled, so it must catch a
+    short-lived allocation that is gone by the time anyone reads the RSS after."""
+    import time
+
+    import numpy as np
+
+    size = 256 * 2**20
+    with PrivatePeak(interval_s=0.001) as peak:
+        before = peak.bytes
+        held = np.ones(size, dtype=np.uint8)  # touched, so resident
+        time.sleep(0.05)
+        del held
+    assert before is not None and peak.bytes is not None
+    assert peak.bytes >= before + 0.9 * size, (before, peak.bytes)
