@@ -272,7 +272,7 @@ def argmax_and_race(
             if thresholds[r] < surely:
                 verdicts[r] = ACCEPTED  # norms[r] stays NaN
                 continue
-            norms[r] = math.log(near_sum + _far_terms(row, top_logit, block_max, scale, lowest, near))
+            norms[r] = math.log(near_sum + _block_terms(row, top_logit, block_max, scale, lowest, (lowest, near)))
             if thresholds[r] < _prob(row[draft_tokens[r]], top_logit, scale, floors[r], norms[r]):
                 verdicts[r] = ACCEPTED
                 continue
@@ -342,6 +342,7 @@ def _exp(x):
 # most of such a row's exponentials are never computed. The bound's slack covers a block's float32 sum of terms each
 # within 2e-7 of its exponential; the verdict's, the float64 sums' order and the verdict's logarithm and exponential.
 _NEAR = np.float32(-12.0)
+_NO_LOGIT = np.float32(np.inf)  # above every block's max: the near blocks' range has no upper end
 _BOUND_SLACK, _VERDICT_SLACK = 1e-3, 1e-9
 
 
@@ -366,23 +367,22 @@ def _near_terms(row, top_logit, block_max, temperature, lowest, near):
         highest = block_max[np.uintp(block)]
         term = _exp(max(np.float32(highest - top_logit) * scale, _NEGLIGIBLE))
         far_tops += term if (highest >= lowest) & (highest < near) else np.float32(0.0)
-    total = 0.0
-    for block in range(block_max.shape[0]):
-        if block_max[block] >= near:
-            start = block * _BLOCK
-            total += _terms(row, start, min(start + _BLOCK, row.shape[0]), top_logit, scale, lowest)
-    return total, np.float64(far_tops) * _BLOCK
+    return _block_terms(row, top_logit, block_max, temperature, lowest, (near, _NO_LOGIT)), np.float64(
+        far_tops
+    ) * _BLOCK
 
 
 @njit(fastmath={"reassoc", "nsz", "arcp", "contract"})
-def _far_terms(row, top_logit, block_max, temperature, lowest, near):
-    """The sum of exp((logit - max) / T) over the other blocks' logits >= lowest (float64)."""
+def _block_terms(row, top_logit, block_max, temperature, lowest, maxima):
+    """The sum of exp((logit - max) / T) over the logits >= lowest of the blocks whose max lies in maxima = [low,
+    high) (float64): _near_terms' blocks, [near, inf), or the others, [lowest, near)."""
     _wide_vectors()
     scale = np.float32(1.0) / temperature
+    low, high = maxima
     total = 0.0
     for block in range(block_max.shape[0]):
         highest = block_max[block]
-        if highest >= lowest and highest < near:
+        if highest >= low and highest < high:
             start = block * _BLOCK
             total += _terms(row, start, min(start + _BLOCK, row.shape[0]), top_logit, scale, lowest)
     return total
