@@ -66,7 +66,7 @@ from specedge.server.matmul import (
     onednn_unavailable,
     panel_kernel,
 )
-from specedge.server.model import ModelArgs
+from specedge.server.model import CausalLM, ModelArgs
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.server.verify import VerifyResult
 from specedge.types import SamplingParams, SparseDist
@@ -431,6 +431,20 @@ def _token_ids(vocab_size: int, count: int) -> list[int]:
     return torch.randint(vocab_size, (count,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
+def prefixed_runner(
+    model: CausalLM, num_slots: int, max_len: int, prefix: int, dtype: torch.dtype
+) -> tuple[ModelRunner, KVCache, list[int]]:
+    """A CPU runner over a fresh KV cache whose every slot holds the same `prefix` tokens (computed once in slot 0,
+    then copied), and the token ids (max_len of them) that the steps read on from."""
+    kv = KVCache(model, num_slots=num_slots, max_len=max_len, device=torch.device("cpu"), dtype=dtype)
+    runner = ModelRunner(model, kv)
+    token_ids = _token_ids(model.args.vocab_size, max_len)
+    runner.forward([ForwardRequest(0, 0, tuple(token_ids[:prefix]), all_logits=False)])
+    for cache in (*kv.k, *kv.v):
+        cache[1:, :prefix] = cache[0, :prefix]
+    return runner, kv, token_ids
+
+
 def time_path(
     resolved: ResolvedModel,
     path: str,
@@ -458,13 +472,7 @@ def time_path(
     model = target.model
     num_slots = max(step.rows + (1 if step.prefill else 0) for step in steps)
     max_len = max(max(config.prefix + step.new_tokens, step.prefill) for step in steps)
-    kv = KVCache(model, num_slots=num_slots, max_len=max_len, device=cpu, dtype=dtype)
-    runner = ModelRunner(model, kv)
-    token_ids = _token_ids(model.args.vocab_size, max(config.prefix, max_len))
-    # Every slot holds the same prefix: computed once in slot 0, then copied.
-    runner.forward([ForwardRequest(0, 0, tuple(token_ids[: config.prefix]), all_logits=False)])
-    for cache in (*kv.k, *kv.v):
-        cache[1:, : config.prefix] = cache[0, : config.prefix]
+    runner, kv, token_ids = prefixed_runner(model, num_slots, max_len, config.prefix, dtype)  # max_len >= prefix
     results: dict[str, dict] = {}
     attention, layers = model.attention, model.compiled_layers
     # Where attention is compiled, the row loop as its baseline; where layers are compiled, the same forwards

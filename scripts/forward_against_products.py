@@ -16,12 +16,11 @@ import statistics
 
 import torch
 
-from specedge.bench.engine import Step, _token_ids
+from specedge.bench.engine import Step, prefixed_runner
 from specedge.registry import resolve
 from specedge.server.kernels import in_turn_ms
 from specedge.server.loading import load_target
 from specedge.server.matmul import PanelLinear, PlainLinear
-from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 
 PREFIX = 200
 
@@ -34,12 +33,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     target = load_target(resolve("qwen2.5-coder-1.5b"), device=torch.device("cpu"), dtype=torch.float32, matmul="numba")
     model = target.model
-    kv = KVCache(model, num_slots=8, max_len=PREFIX + 1, device=torch.device("cpu"), dtype=torch.float32)
-    runner = ModelRunner(model, kv)
-    ids = _token_ids(model.args.vocab_size, PREFIX + 1)
-    runner.forward([ForwardRequest(0, 0, tuple(ids[:PREFIX]), all_logits=False)])
-    for cache in (*kv.k, *kv.v):  # every slot holds the same prefix
-        cache[1:, :PREFIX] = cache[0, :PREFIX]
+    runner, _, ids = prefixed_runner(model, 8, PREFIX + 1, PREFIX, torch.float32)
     linears = [module for module in model.modules() if isinstance(module, (PlainLinear, PanelLinear))]
     print(f"{len(linears)} products, {sum(4 * m.in_features * m.out_features for m in linears) / 1e9:.2f} GB (float32)")
 
