@@ -175,6 +175,13 @@ _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lon
 # it elsewhere. With the 3 x 8 tile's fence (_step_fence), every product of the 1.5B in turn with the tiles before
 # them on a 2-core Zen 4 EPYC: M = 7 0.77-0.87x the time, M = 8 0.59-0.88x (docs/engine-cpu.md).
 _THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
+# On Zen 4, float32 products of 9 to _THREE_ROW_TO rows take the three-row blocks too, in two passes of the 3 x 4 ..
+# 3 x 8 tiles that share the prefetch of the next block, rather than the chunked passes' blocks of four rows. Over
+# all of the 1.5B's products in turn with the chunked passes on a 2-core Zen 4 EPYC, the same bits: at 31-33 GB/s
+# M = 9-11 0.92-0.95x the time, 12 0.85x, 13-15 0.71-0.80x, 16 0.94-0.97x; at 48 GB/s M = 9-12 0.91-0.95x, 14
+# 0.81x, 16 0.97x. Three passes took M = 17 1.06x the long chunks' time, 20 0.98x, 24 1.04x (docs/engine-cpu.md).
+# bfloat16 keeps the chunked passes there (untimed).
+_THREE_ROW_TO = 16 if _ZEN_AVX512 else 8
 # bfloat16 prefetches the whole next block everywhere: a lone pass four lines a step, the 3 x 7 and 3 x 8 tiles
 # three. A bfloat16 block is half a float32 one's bytes, and on a 2-core Xeon, over three layers' worth of the
 # 1.5B's bfloat16 products in turn with the float32 counts (two lines a step in both), M = 1-2 took 0.90-0.97x the
@@ -367,7 +374,7 @@ def matmul(x, w, y):
     if _ROW_BY_ROW and m_rows == 1 and k % width == 0 and k * x.itemsize <= _ROW_BY_ROW_BYTES:
         _row_by_row(x, w, y)
         return
-    if _AVX512 and prefetching and (m_rows == 7 or m_rows == 8):
+    if _AVX512 and prefetching and (m_rows == 7 or m_rows == 8 or (8 < m_rows <= _THREE_ROW_TO and w.itemsize == 4)):
         _three_row_blocks(x, w, y)
         return
     if _AVX512 and prefetching and passes > 1:
@@ -411,24 +418,46 @@ def _row_by_row(x, w, y):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _three_row_blocks(x, w, y):
-    """matmul for M = 7 or 8 on AVX-512 (K a multiple of 16): blocks of three weight rows, each in one pass of the
-    3 x M tile, which prefetches _THREE_ROW_LINES lines a step of the next block (all of it on Zen 4 and in
-    bfloat16, two thirds elsewhere)."""
+    """matmul for M = 7 or 8 on AVX-512, and on Zen 4 in float32 up to _THREE_ROW_TO rows (K a multiple of 16):
+    blocks of three weight rows, each in passes of the 3 x 4 .. 3 x 8 tiles over at most eight x rows, the groups
+    as even as possible (M = 12: 6 + 6). The passes share the prefetch of the next block, each at most
+    _THREE_ROW_LINES lines a step (one pass: all of it on Zen 4 and in bfloat16, two thirds elsewhere), and the
+    second pass reads the block from cache."""
     m_rows, k = x.shape
     n = w.shape[0]
+    passes = (m_rows + 7) // 8
+    size, larger = m_rows // passes, m_rows % passes  # the first `larger` groups take size + 1 rows
     full_blocks = n // 3
     row_lines = _THREE_ROW_LINES_BFLOAT16 if w.itemsize == 2 else _THREE_ROW_LINES
-    lines = min(3 * k // (_LINE // w.itemsize), row_lines * (k // _step_width(w)))
+    block_lines = 3 * k // (_LINE // w.itemsize)
+    share = min((block_lines + passes - 1) // passes, row_lines * (k // _step_width(w)))
     for block in prange((n + 2) // 3):
         o = block * 3
         if o + 3 <= n:
             ahead = min(block + 1, full_blocks - 1) * 3 * k  # the last block prefetches itself, harmlessly
-            if m_rows == 8:
-                _tile_3x8(x, 0, w, o, y, ahead, lines)
-            else:
-                _tile_3x7(x, 0, w, o, y, ahead, lines)
+            for group in range(passes):
+                first = group * size + min(group, larger)
+                lines = max(0, min(share, block_lines - group * share))
+                _three_row_pass(
+                    x, first, size + (group < larger), w, o, y, ahead + group * share * _LINE // w.itemsize, lines
+                )
         else:  # the last 1-2 weight rows
             _dot_rows(x, w, o, y)
+
+
+@njit(inline="always", fastmath=True)
+def _three_row_pass(x, m0, columns, w, o, y, ahead, lines):
+    """One pass of the 3 x `columns` tile (4 .. 8) for x rows from m0."""
+    if columns == 8:
+        _tile_3x8(x, m0, w, o, y, ahead, lines)
+    elif columns == 7:
+        _tile_3x7(x, m0, w, o, y, ahead, lines)
+    elif columns == 6:
+        _tile_3x6(x, m0, w, o, y, ahead, lines)
+    elif columns == 5:
+        _tile_3x5(x, m0, w, o, y, ahead, lines)
+    else:
+        _tile_3x4(x, m0, w, o, y, ahead, lines)
 
 
 @njit(inline="always")
@@ -803,7 +832,10 @@ _lone_1, _lone_2, _lone_3, _lone_4, _lone_5, _lone_6 = (
     for c in range(1, 7)
 )
 _tile_1x1 = _prefetching_tile(1, (0, 0), 1)  # _row_by_row's: one w row, one x row, no prefetch
-_tile_3x7 = _prefetching_tile(7, (_THREE_ROW_LINES, _THREE_ROW_LINES_BFLOAT16), 3, repeats=_PREFETCH_REPEATS)
+_tile_3x4, _tile_3x5, _tile_3x6, _tile_3x7 = (
+    _prefetching_tile(c, (_THREE_ROW_LINES, _THREE_ROW_LINES_BFLOAT16), 3, repeats=_PREFETCH_REPEATS)
+    for c in range(4, 8)
+)
 _tile_3x8 = _prefetching_tile(
     8,
     (_THREE_ROW_LINES, _THREE_ROW_LINES_BFLOAT16),
