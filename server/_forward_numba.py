@@ -46,9 +46,9 @@ On AVX-512 the passes themselves change. Where one pass takes every row (M = 3-6
 prefetches two lines a step, half the next block rather than a quarter. M = 7-8 take
 blocks of three weight rows in one pass (a 3 x 8 tile: 24 sums, three w vectors held,
 x loaded vector by vector), not blocks of four in two passes, so no pass reads its
-block from cache while the memory waits. On Zen 4 so do float32's M = 9-16, in two
-passes of the 3 x 4 .. 3 x 8 tiles that share the next block's prefetch (0.71-0.97x
-the time of the chunked passes). Past those, every pass walks a block a K chunk at a
+block from cache while the memory waits. On Zen 4 so do float32's M = 9-16 and
+bfloat16's M = 9-64, in passes of the 3 x 4 .. 3 x 8 tiles that share the next
+block's prefetch (0.64-0.98x the time of the chunked passes). Past those, every pass walks a block a K chunk at a
 time (_chunked_passes), so that the block streams in throughout (off Zen 4 two blocks
 side by side: _SPAN). Whole forwards of the 1.5B on the 2-core Xeon, in turn
 with the kernel before each change: 1 x 5 0.92-0.95x and 8 x 1 0.92-0.95x; 2 x 5 to
@@ -182,8 +182,11 @@ _THREE_ROW_LINES = 3 if _ZEN_AVX512 else 2
 # all of the 1.5B's products in turn with the chunked passes on a 2-core Zen 4 EPYC, the same bits: at 31-33 GB/s
 # M = 9-11 0.92-0.95x the time, 12 0.85x, 13-15 0.71-0.80x, 16 0.94-0.97x; at 48 GB/s M = 9-12 0.91-0.95x, 14
 # 0.81x, 16 0.97x. Three passes took M = 17 1.06x the long chunks' time, 20 0.98x, 24 1.04x (docs/engine-cpu.md).
-# bfloat16 keeps the chunked passes there (untimed).
+# bfloat16, whose chunked passes hold five x rows, gains more and further: all of its products there up to
+# MAX_ROWS_BFLOAT16 (64), at 35-51 GB/s M = 9 0.86x the time, 12-14 0.64-0.66x, 16-24 0.77-0.85x, 32 0.90x, 40
+# 0.98x, 48 0.91x, 64 0.97x.
 _THREE_ROW_TO = 16 if _ZEN_AVX512 else 8
+_THREE_ROW_TO_BFLOAT16 = 64 if _ZEN_AVX512 else 8
 # bfloat16 prefetches the whole next block everywhere: a lone pass four lines a step, the 3 x 7 and 3 x 8 tiles
 # three. A bfloat16 block is half a float32 one's bytes, and on a 2-core Xeon, over three layers' worth of the
 # 1.5B's bfloat16 products in turn with the float32 counts (two lines a step in both), M = 1-2 took 0.90-0.97x the
@@ -376,7 +379,7 @@ def matmul(x, w, y):
     if _ROW_BY_ROW and m_rows == 1 and k % width == 0 and k * x.itemsize <= _ROW_BY_ROW_BYTES:
         _row_by_row(x, w, y)
         return
-    if _AVX512 and prefetching and (m_rows == 7 or m_rows == 8 or (8 < m_rows <= _THREE_ROW_TO and w.itemsize == 4)):
+    if _AVX512 and prefetching and 7 <= m_rows <= (_THREE_ROW_TO_BFLOAT16 if w.itemsize == 2 else _THREE_ROW_TO):
         _three_row_blocks(x, w, y)
         return
     if _AVX512 and prefetching and passes > 1:
@@ -420,11 +423,11 @@ def _row_by_row(x, w, y):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _three_row_blocks(x, w, y):
-    """matmul for M = 7 or 8 on AVX-512, and on Zen 4 in float32 up to _THREE_ROW_TO rows (K a multiple of 16):
-    blocks of three weight rows, each in passes of the 3 x 4 .. 3 x 8 tiles over at most eight x rows, the groups
-    as even as possible (M = 12: 6 + 6). The passes share the prefetch of the next block, each at most
-    _THREE_ROW_LINES lines a step (one pass: all of it on Zen 4 and in bfloat16, two thirds elsewhere), and the
-    second pass reads the block from cache."""
+    """matmul for M = 7 or 8 on AVX-512, and on Zen 4 up to _THREE_ROW_TO rows (bfloat16 _THREE_ROW_TO_BFLOAT16;
+    K a multiple of the step): blocks of three weight rows, each in passes of the 3 x 4 .. 3 x 8 tiles over at most
+    eight x rows, the groups as even as possible (M = 12: 6 + 6). The passes share the prefetch of the next block,
+    each at most _THREE_ROW_LINES lines a step (one pass: all of it on Zen 4 and in bfloat16, two thirds
+    elsewhere), and the later passes read the block from cache."""
     m_rows, k = x.shape
     n = w.shape[0]
     passes = (m_rows + 7) // 8
