@@ -48,11 +48,11 @@ blocks of three weight rows in one pass (a 3 x 8 tile: 24 sums, three w vectors 
 x loaded vector by vector), not blocks of four in two passes, so no pass reads its
 block from cache while the memory waits. On Zen 4 so do float32's M = 9-16 and
 bfloat16's M = 9-64, in passes of the 3 x 4 .. 3 x 8 tiles that share the next
-block's prefetch (0.64-0.98x the time of the chunked passes). Past those, every pass walks a block a K chunk at a
-time (_chunked_passes), so that the block streams in throughout (off Zen 4 two blocks
-side by side: _SPAN). Whole forwards of the 1.5B on the 2-core Xeon, in turn
-with the kernel before each change: 1 x 5 0.92-0.95x and 8 x 1 0.92-0.95x; 2 x 5 to
-5 x 5 0.93-0.95x, 8 x 5 0.99x.
+block's prefetch (0.64-0.98x the time of the chunked passes). Past those, every pass
+walks a block a K chunk at a time (_chunked_passes), so that the block streams in
+throughout (off Zen 4 two blocks side by side: _SPAN). Whole forwards of the 1.5B on
+the 2-core Xeon, in turn with the kernel before each change: 1 x 5 0.92-0.95x and
+8 x 1 0.92-0.95x; 2 x 5 to 5 x 5 0.93-0.95x, 8 x 5 0.99x.
 `_prefetching_tile` writes the tiles in LLVM IR because a prefetch inside a numba
 loop stops LLVM from vectorizing it. Prefetching a whole share at once, between
 passes, was slower (docs/engine-cpu.md's 8 x 1 paragraph).
