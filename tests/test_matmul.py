@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specedge.registry import ResolvedModel
-from specedge.server import matmul
+from specedge.server import loading, matmul
 from specedge.server.kernels import kernel_array
 from specedge.server.loading import load_target
 from specedge.server.matmul import (
@@ -308,3 +308,19 @@ def test_without_the_kernel_auto_falls_back_to_onednn(monkeypatch, caplog):
         "matrix products run eager: numba: numba is missing or could not compile its kernel (logged above); "
         "onednn: this torch build has no oneDNN"
     )
+
+
+def _private_bytes() -> int:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    return int(status["RssAnon"].split()[0]) * 1024
+
+
+@pytest.mark.skipif(loading._malloc_trim() is None, reason="malloc_trim is glibc's")
+def test_freed_blocks_kept_by_the_heap_go_back_to_the_system():
+    """What a load frees under glibc's raised mmap threshold stays private memory until return_freed_memory."""
+    torch.empty(30 * 2**20, dtype=torch.uint8)  # a 30 MB map, freed at once: glibc's mmap threshold rises to 30 MB
+    blocks = [torch.ones(4 * 2**20, dtype=torch.uint8) for _ in range(64)]  # 256 MiB of the heap, touched
+    del blocks[:-1]  # the last one holds the heap's top: free() alone trims nothing
+    before = _private_bytes()
+    assert loading.return_freed_memory()
+    assert before - _private_bytes() > 200 * 2**20
