@@ -87,7 +87,8 @@ def load_target(
 
 
 def return_freed_memory() -> bool:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim); False where the C library has none.
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): whether any went back (False where the C
+    library has no malloc_trim).
 
     A load frees gigabytes: the checkpoint's originals once packed or cast, the copies that fusing replaced. glibc
     keeps freed blocks under its mmap threshold in the heap, and after the process has freed large blocks that
