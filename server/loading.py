@@ -13,10 +13,7 @@ rank starts.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
-import functools
 import logging
 import os
 import pathlib
@@ -27,6 +24,7 @@ from filelock import FileLock
 
 from specedge.registry import ResolvedModel, default_cache_dir, file_cache_key
 from specedge.server.attention import resolve_attention, tiles_here
+from specedge.server.heap import return_freed_memory
 from specedge.server.layer_kernel import compile_layers
 from specedge.server.matmul import panels_here, prepare, resolve_matmul
 from specedge.server.model import CausalLM, Collectives, ModelArgs, rope_frequencies
@@ -84,29 +82,6 @@ def load_target(
     if kind == "numba" and attention == "numba" and dtype == torch.float32:
         compile_layers(target.model)  # whole layers in one call: the two kernels with their glue compiled
     return target
-
-
-def return_freed_memory() -> bool:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim): whether any went back (False where the C
-    library has no malloc_trim).
-
-    A load frees gigabytes: the checkpoint's originals once packed or cast, the copies that fusing replaced. glibc
-    keeps freed blocks under its mmap threshold in the heap, and after the process has freed large blocks that
-    threshold rises to 32 MB, so most of a layer's tensors land there. On the 1.5B in bfloat16, loaded after a
-    few large products had been timed, the private RSS stood at 6.17 GiB after the load and 3.64 after the trim,
-    for 2.88 GiB of weights (docs/engine-cpu.md).
-    """
-    trim = _malloc_trim()
-    return trim is not None and bool(trim(0))
-
-
-@functools.cache
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
-        return None
 
 
 def _load(

@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specedge.server.heap import return_freed_memory
 from specedge.server.kernels import chosen_form, kernel_array, load_kernel
 
 if TYPE_CHECKING:
@@ -438,6 +439,7 @@ def _replace_projections(model: CausalLM, make: Projection) -> None:
         mlp.gate_up_proj = _fused(make, mlp.gate_proj, mlp.up_proj)
         mlp.gate_proj = mlp.up_proj = None
         mlp.down_proj = _fused(make, mlp.down_proj)
+        return_freed_memory()  # the layer's replaced weights: else the heap keeps them beside the new (heap.py)
     model.lm_head = _fused(make, model.lm_head)
 
 
@@ -446,6 +448,7 @@ def _own_memory(model: nn.Module) -> None:
     what the model uses: give them memory of their own."""
     for tensor in (*model.parameters(), *model.buffers()):
         tensor.data = tensor.data.clone()
+        return_freed_memory()  # the original, where it was the heap's: else the copies pile up beside them
 
 
 def _as_linear(module: nn.Module | None) -> nn.Linear:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import re
 
 import pytest
 import torch
+from torch import nn
 
 from specedge.registry import ResolvedModel
-from specedge.server import loading, matmul
+from specedge.server import heap, matmul
 from specedge.server.kernels import kernel_array
 from specedge.server.loading import load_target
 from specedge.server.matmul import (
@@ -315,12 +317,31 @@ def _private_bytes() -> int:
     return int(status["RssAnon"].split()[0]) * 1024
 
 
-@pytest.mark.skipif(loading._malloc_trim() is None, reason="malloc_trim is glibc's")
+@pytest.mark.skipif(heap._malloc_trim() is None, reason="malloc_trim is glibc's")
 def test_freed_blocks_kept_by_the_heap_go_back_to_the_system():
     """What a load frees under glibc's raised mmap threshold stays private memory until return_freed_memory."""
     torch.empty(30 * 2**20, dtype=torch.uint8)  # a 30 MB map, freed at once: glibc's mmap threshold rises to 30 MB
     blocks = [torch.ones(4 * 2**20, dtype=torch.uint8) for _ in range(64)]  # 256 MiB of the heap, touched
     del blocks[:-1]  # the last one holds the heap's top: free() alone trims nothing
     before = _private_bytes()
-    assert loading.return_freed_memory()
+    assert heap.return_freed_memory()
     assert before - _private_bytes() > 200 * 2**20
+
+
+@pytest.mark.skipif(heap._malloc_trim() is None, reason="malloc_trim is glibc's")
+def test_owning_the_weights_keeps_no_second_copy_in_the_heap():
+    """transformers loads tensors on worker threads, so their blocks lie in those threads' arenas, which the loading
+    thread's copies never reuse: without a trim as each original goes, the copies pile up beside them."""
+    torch.empty(30 * 2**20, dtype=torch.uint8)  # a 30 MB map, freed at once: glibc's mmap threshold rises to 30 MB
+    model = nn.Module()
+
+    def load() -> torch.Tensor:
+        model.weights = nn.ParameterList(nn.Parameter(torch.ones(2**19 + 1024 * i)) for i in range(48))  # 2-2.2 MB
+        return torch.ones(2**20)  # the arena's top, held: the arena cannot shrink by itself
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        top = pool.submit(load).result()
+    size = sum(p.nbytes for p in model.parameters())  # 104 MB
+    before = _private_bytes()
+    matmul._own_memory(model)
+    assert _private_bytes() - before < size / 4 and top.numel() == 2**20
