@@ -54,6 +54,7 @@ from torch.nn import functional as F
 from specedge import noise
 from specedge.registry import ResolvedModel, resolve
 from specedge.server.draws import RowDraw, draw_rows
+from specedge.server.heap import return_freed_memory
 from specedge.server.kernels import cache_flush, cpu_name, in_turn_ms
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import (
@@ -656,7 +657,8 @@ def run_engine_bench(config: EngineBenchConfig, *, progress: bool = True) -> dic
         paths[path], logits, args = time_path(resolved, path, config, steps, peak_product, say, text)
         samples = logits if samples is None else samples
         del logits
-        gc.collect()  # the previous path's weights go before the next path loads its own
+        gc.collect()  # the previous path's weights go before the next path loads its own,
+        return_freed_memory()  # and their pages too, or the next path's private peak would count them
     if samples is None or args is None:
         raise ValueError("no --matmul path to time")
     cost = CostModel.of(args, DTYPES[config.dtype])
