@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from bench.engine import _proc_status
 from specedge.registry import ResolvedModel
 from specedge.server import heap, matmul
 from specedge.server.kernels import kernel_array
@@ -313,8 +314,9 @@ def test_without_the_kernel_auto_falls_back_to_onednn(monkeypatch, caplog):
 
 
 def _private_bytes() -> int:
-    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
-    return int(status["RssAnon"].split()[0]) * 1024
+    anon = _proc_status()["RssAnon"]
+    assert anon is not None
+    return anon
 
 
 @pytest.mark.skipif(heap._malloc_trim() is None, reason="malloc_trim is glibc's")
