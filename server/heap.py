@@ -6,8 +6,8 @@ that threshold rises to as much as 32 MB, so most of a layer's tensors land ther
 block freed there still counts in the private RSS until malloc_trim gives its pages back.
 
 On the 1.5B in bfloat16 (2.88 GiB of weights), once the threshold had risen (as a machine's first start, which
-times the kernels' forms, leaves it): the private peak while loading 6.46 GiB and 6.13 after the load, against
-4.06 and 3.61 with the trims (docs/engine-cpu.md).
+times the kernels' forms, leaves it): the private peak while loading 6.46 GiB and 6.13 at its end, before any
+trim, against 4.07 and 3.64 with the trims as it goes (docs/engine-cpu.md).
 """
 
 from __future__ import annotations
