@@ -26,10 +26,10 @@
   time at 120-256 rows, and 1.14-1.27x at 41-80, which the kernel now takes.
   q/k/v and gate/up are fused as below. bfloat16 on plain rows (Zen 4, AMX)
   needs AVX512_BF16 and runs only when asked: whole bfloat16 forwards of the 1.5B
-  on a 2-core Zen 4 EPYC, in turn with `onednn`, took 1 x 1 0.74-0.77x, 1 x 5
-  0.92-0.98x, 8 x 1 0.97-1.07x, but 8 x 5 1.09x, 16 x 5 1.16x and 7 x 5 + p120
-  1.10x: past 40 rows the plain weights run oneDNN's GEMM slower than its packed
-  layout does.
+  on a 2-core Zen 4 EPYC, against `onednn` in three engine runs, took 1 x 1
+  0.59-0.78x the time, 8 x 1 0.72-0.80x, 8 x 5 0.93-1.02x, but 16 x 5 1.13x and
+  155-token steps 1.06-1.10x: past 64 rows the plain weights run oneDNN's GEMM
+  slower than its packed layout does.
 - `onednn` (CPU, float32 or bfloat16): every projection's weight is reordered
   once, at load, into oneDNN's blocked layout, and the original is freed, so
   memory holds one copy (a tied LM head keeps the embedding table beside its
