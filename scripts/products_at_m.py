@@ -5,11 +5,11 @@ same weights: where a small-M step's cost sits against the memory stream, with n
 
 The weights are random, of the 1.5B's shapes (28 layers of q/k/v, o, gate/up and down, and the LM head: 6.17 GB
 of float32, 3.09 GB of bfloat16), so no checkpoint is needed. Each round reads them once by torch's sum, then runs
-every product once at each M, on the plain weights as `PlainLinear` holds them (the kernel at any M, here: no hand
--off to oneDNN above numba_max_rows); with `--against`, the same products in turn on another form of the same
-weights: oneDNN's packed layout (`PackedLinear`'s, a second copy) or the panels (`PanelLinear`'s, float32 on
-AVX-512). The medians are printed as ms, GB/s and GFLOP/s, as a multiple of the read, and each form's time against
-the plain kernel's. bench/results' 8 x 1 notes came from it.
+every product once at each M, on the plain weights as `PlainLinear` holds them. Here the kernel takes every M:
+nothing is handed to oneDNN above numba_max_rows. With `--against`, the same products run in turn on another form
+of the same weights: oneDNN's packed layout (`PackedLinear`'s, a second copy) or the panels (`PanelLinear`'s,
+float32 on AVX-512). The medians are printed in ms, GB/s and GFLOP/s, as a multiple of the read, and each other
+form's time as a multiple of the plain kernel's. bench/results' 8 x 1 notes came from it.
 """
 
 from __future__ import annotations
