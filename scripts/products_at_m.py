@@ -7,8 +7,8 @@ The weights are random, of the 1.5B's shapes (28 layers of q/k/v, o, gate/up and
 of float32, 3.09 GB of bfloat16), so no checkpoint is needed. Each round reads them once by torch's sum, then runs
 every product once at each M, on the plain weights as `PlainLinear` holds them. Here the kernel takes every M:
 nothing is handed to oneDNN above numba_max_rows. With `--against`, the same products run in turn on another form
-of the same weights: oneDNN's packed layout (`PackedLinear`'s, a second copy) or the panels (`PanelLinear`'s,
-float32 on AVX-512). The medians are printed in ms, GB/s and GFLOP/s, as a multiple of the read, and each other
+of the same weights: oneDNN's packed layout (`PackedLinear`, a second copy) or the panels (`PanelLinear`, on
+AVX-512). The medians are printed in ms, GB/s and GFLOP/s, as a multiple of the read, and each other
 form's time as a multiple of the plain kernel's. bench/results' 8 x 1 notes came from it.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from specedge.server import _forward_numba
 from specedge.server.kernels import kernel_array
-from specedge.server.matmul import layout_rows, pack_panels
+from specedge.server.matmul import PackedLinear, PanelLinear, panel_kernel
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 1536, 8960, 28, 151_936
 LAYER_SHAPES = ((2048, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
@@ -83,26 +83,18 @@ def main() -> None:
 def _other_form(
     form: str, tensors: list[torch.Tensor], inputs: dict[int, dict[int, torch.Tensor]]
 ) -> dict[int, Callable[[], object]]:
-    """Each M's call running every product on `form`'s copy of the weights."""
-    if form == "onednn":
-        rows = layout_rows(tensors[0].dtype)
-        packed = [torch.ops.mkldnn._reorder_linear_weight(t, rows) for t in tensors]
+    """Each M's call running every product through `form`'s module over its own copy of the weights, as a server
+    holds them: PackedLinear (oneDNN's packed layout) or PanelLinear (the panels)."""
+    if form == "panels" and panel_kernel(tensors[0].dtype) is None:
+        raise SystemExit("--against panels: the panels run on AVX-512 CPUs only (and where numba compiles them)")
+    make = PackedLinear if form == "onednn" else PanelLinear
+    modules = [make(t, None) for t in tensors]
 
-        def onednn(m: int) -> None:
-            for t, p in zip(tensors, packed):
-                torch.ops.mkldnn._linear_pointwise(inputs[m][t.shape[1]], p, None, "none", [], "")
+    def products(m: int) -> None:
+        for t, module in zip(tensors, modules):
+            module(inputs[m][t.shape[1]])
 
-        return {m: (lambda m=m: onednn(m)) for m in inputs}
-    if tensors[0].dtype != torch.float32 or not _forward_numba.AVX512:
-        raise SystemExit("--against panels: float32 on an AVX-512 CPU (bfloat16's panels take float32 x)")
-    panels = [kernel_array(pack_panels(t, int(_forward_numba.PANEL))) for t in tensors]
-    outputs = {m: [np.empty((m, t.shape[0]), np.float32) for t in tensors] for m in inputs}
-
-    def panel_products(m: int) -> None:
-        for t, p, y in zip(tensors, panels, outputs[m]):
-            _forward_numba.panel_matmul(kernel_array(inputs[m][t.shape[1]]), p, y)
-
-    return {m: (lambda m=m: panel_products(m)) for m in inputs}
+    return {m: (lambda m=m: products(m)) for m in inputs}
 
 
 if __name__ == "__main__":
