@@ -106,12 +106,17 @@ def _profile_parser(sub) -> None:
 def _engine_parser(sub) -> None:
     import dataclasses
 
-    from .engine import DEFAULT_STEPS, PATHS, EngineBenchConfig
+    from .engine import DEFAULT_PATHS, DEFAULT_STEPS, PATHS, EngineBenchConfig
 
     defaults = {field.name: field for field in dataclasses.fields(EngineBenchConfig)}
     p = sub.add_parser("engine", help="time the target's forwards against this machine's measured limits (CPU)")
     p.add_argument("--target", default=defaults["target"].default, help="model name, path, or random:PRESET")
-    p.add_argument("--matmul", nargs="+", default=list(PATHS), help=f"paths to time: {' and/or '.join(PATHS)}")
+    p.add_argument(
+        "--matmul",
+        nargs="+",
+        default=list(DEFAULT_PATHS),
+        help=f"paths to time: {', '.join(PATHS)} (default: {' '.join(DEFAULT_PATHS)})",
+    )
     p.add_argument(
         "--steps",
         nargs="+",

@@ -59,12 +59,14 @@ from specedge.server.kernels import cache_flush, cpu_name, in_turn_ms
 from specedge.server.loading import load_target, weights_dir
 from specedge.server.matmul import (
     PackedLinear,
+    PairPanelLinear,
     PanelEmbedding,
     PanelLinear,
     PlainLinear,
     numba_projection,
     numba_unavailable,
     onednn_unavailable,
+    pairs_unavailable,
     panel_kernel,
 )
 from specedge.server.model import CausalLM, ModelArgs
@@ -72,7 +74,8 @@ from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
 from specedge.server.verify import VerifyResult
 from specedge.types import SamplingParams, SparseDist
 
-PATHS = ("eager", "onednn", "numba")
+PATHS = ("eager", "onednn", "numba", "onednn-numba")
+DEFAULT_PATHS = PATHS[:3]  # onednn-numba is bfloat16's alone: asked for by name
 KERNELS = ("eager", "onednn@1", "onednn@16", "inductor", "numba")  # matrix kernels compared at small M
 OTHER_NUMBA = ("numba plain", "numba panels")  # the numba product the path does not run, where it can run too
 # onednn@1, @16: packed for 1-row and for 16-row batches (the server packs for layout_rows()); inductor: frozen
@@ -126,7 +129,7 @@ class Step:
 @dataclasses.dataclass(frozen=True)
 class EngineBenchConfig:
     target: str = "qwen2.5-coder-1.5b"  # a model name, path, or random:PRESET
-    matmul: tuple[str, ...] = PATHS  # the matrix-product paths whose forwards are timed (server/matmul.py)
+    matmul: tuple[str, ...] = DEFAULT_PATHS  # the matrix-product paths whose forwards are timed (server/matmul.py)
     steps: tuple[str, ...] = DEFAULT_STEPS
     repeats: int = 5  # timed runs of each measurement (after one untimed); medians are reported
     threads: int | None = None  # torch threads; None: every core this process may use
@@ -158,7 +161,8 @@ class EngineBenchConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not 0 < self.stream_gb <= 64:
             raise ValueError(f"--stream-gb must be in (0, 64], got {self.stream_gb}")
-        for path, unavailable in (("onednn", onednn_unavailable), ("numba", numba_unavailable)):
+        unavailable_paths = (("onednn", onednn_unavailable), ("numba", numba_unavailable))
+        for path, unavailable in (*unavailable_paths, ("onednn-numba", pairs_unavailable)):
             if path in self.matmul and (reason := unavailable(torch.device("cpu"), DTYPES[self.dtype])):
                 raise ValueError(f"--matmul {path} cannot run: {reason}")
 
@@ -341,6 +345,8 @@ def _products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.
     if numba_unavailable(torch.device("cpu"), weight.dtype) is None:
         # Panels (where panels_here(dtype)) at every M; plain weights past numba_max_rows() run oneDNN's GEMM.
         paths["numba"] = numba_projection(weight.dtype)(weight, None)
+    if pairs_unavailable(torch.device("cpu"), weight.dtype) is None:
+        paths["onednn-numba"] = PairPanelLinear(weight, None)  # past MAX_ROWS_PAIRS, oneDNN's packed GEMM
     return paths
 
 

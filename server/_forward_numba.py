@@ -171,6 +171,14 @@ MAX_ROWS = 120 if _ZEN_AVX512 else 56 if _AVX512 else 48
 # M = 9-12 (on the plain weights the kernel reads), 0.44x at M = 40, but 1.09-1.35x at M = 4-8: so up to 8 rows.
 _AMX = _AVX512 and bool(llvm.get_host_cpu_features().get("amx-bf16", False))
 MAX_ROWS_BFLOAT16 = 64 if _ZEN_AVX512 else 8 if _AMX else 40 if _AVX512 else MAX_ROWS
+# bfloat16 weights as oneDNN packs them on CPUs with AVX512_BF16 but not AMX (Zen 4): panels of PANEL columns, K in
+# pairs, which panel_matmul reads in place (server/matmul.py's PairPanelLinear, `--matmul onednn-numba`). Products of
+# up to this many rows run it, larger ones oneDNN's GEMM on its own layout. Over all of the 1.5B's products (random
+# weights of its shapes) in turn with oneDNN's on the same bytes, on a 2-core Zen 4 EPYC: M = 1 0.80x the time, 5
+# 0.95x, 8-12 0.73-0.74x, 16 0.80x, 24-40 0.92-0.96x, 48 0.98x, 64 1.07x; whole forwards of the 1.5B in turn with
+# `--matmul onednn`: 8 x 5 (40 tokens) 0.97x, but 16 x 3 (48) 1.06x (docs/engine-cpu.md).
+PAIRS = DPBF16 and not _AMX  # with AMX, oneDNN's tiles run bfloat16 from 9 rows faster than any of these kernels
+MAX_ROWS_PAIRS = 40
 _PREFETCH_FROM = 1  # x rows from which the product's passes prefetch the next block
 _LONE_LINES = 4 if _ZEN_AVX512 else 2 if _AVX512 else 1  # lines a step of a lone pass may prefetch
 # The 3 x 7 and 3 x 8 tiles' prefetches a step: on Zen 4 three, the whole next block (each line once); two thirds of
@@ -236,6 +244,7 @@ _SPAN = 1 if _ZEN_AVX512 else 2
 # forwards: 1.19x, in turn on a 2-core Zen 4 EPYC). With three sums in memory the cached kernel's M = 8 took
 # 0.98-1.04x the freshly compiled one's (docs/engine-cpu.md).
 _SUMS_IN_MEMORY = 3 if _ZEN_AVX512 else 0
+_TO_L1 = 3  # llvm.prefetch's locality for L1 (prefetcht0)
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 # On Zen 4 the tiles issue each of their prefetches three times in a row. Over all of the 1.5B's products (kernels
 # from numba's cache) in turn with the single prefetch and a torch read of the weights, at 50-61 GB/s: M = 5-8
@@ -315,6 +324,9 @@ _GROUP_COLUMNS = 2 * _LANES  # a load's columns: a vector of pairs
 PANEL_BFLOAT16_ORDER = np.array(
     [_GROUP_COLUMNS * (s // _GROUP_COLUMNS) + _LANES * (s % 2) + (s % _GROUP_COLUMNS) // 2 for s in range(PANEL)]
 )
+# What the panel tiles take, (x, panels): float32 weights; bfloat16 bits (int16) widened to float32; or bfloat16
+# pairs along K (int32, x as pairs too) summed by vdpbf16ps, as oneDNN lays bfloat16 out on Zen 4 (PairPanelLinear).
+_PANEL_TYPES = ((types.float32, types.float32), (types.float32, types.int16), (types.int32, types.int32))
 _PANEL_ROWS = 6  # x rows a panel tile takes: 6 x 4 sums, four w vectors and an x value in 32 registers
 _PANEL_CHUNK = 64  # values of K a tile walks between loading and storing its sums
 _PANEL_BLOCK = 128  # x rows a walk over the weights takes
@@ -906,9 +918,10 @@ def _llvm_prefetch(builder):
     return cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0")
 
 
-def _broadcast(builder, value):
-    """A float32 in every lane of a vector."""
-    undefined, lanes = ir.Constant(_V, ir.Undefined), ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
+def _broadcast(builder, value, pairs=False):
+    """A float32 in every lane of a vector (or, with `pairs`, an int32 pair of bfloat16s)."""
+    vector = _PAIRS if pairs else _V
+    undefined, lanes = ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(_I32, _LANES), [0] * _LANES)
     return builder.shuffle_vector(builder.insert_element(undefined, value, _I32(0)), undefined, lanes)
 
 
@@ -1005,25 +1018,38 @@ def warm_up_panels_bfloat16() -> None:
     _check_panels(bfloat16=True)
 
 
-def _check_panels(bfloat16: bool) -> None:
+def warm_up_pairs() -> None:
+    """The panel product over bfloat16 pairs (vdpbf16ps), for a `--matmul onednn-numba` server only."""
+    if not DPBF16:
+        raise RuntimeError("bfloat16 pairs need AVX512_BF16")
+    _check_panels(bfloat16=True, pairs=True)
+
+
+def _check_panels(bfloat16: bool, pairs: bool = False) -> None:
     """The panel product's known answers: x all ones against weights of column + 1 (so a column out of place shows),
     products of 1-13 and 19 rows (one to four tiles: prefetching four, two and one lines a step; x packed from 19),
     over a partial last panel and K past a chunk, one of _PANEL_BLOCK + 1 rows (two blocks), and one of
-    _PANEL_BLOCK rows whose K takes two parts. Every sum is an integer below 2**24: exact in either dtype."""
+    _PANEL_BLOCK rows whose K takes two parts. Every sum is an integer below 2**24: exact in either dtype. With
+    `pairs`, the weights and x are bfloat16 pairs along K (int32), each pair's two weights the same."""
     short_k, long_k = _PANEL_CHUNK + 3, _PANEL_X_BYTES // (4 * _PANEL_BLOCK) + 3
     cases = (*((rows, short_k) for rows in (*range(1, 14), 19, _PANEL_BLOCK + 1)), (_PANEL_BLOCK, long_k))
     n = PANEL + 5
     columns = np.arange(2 * PANEL, dtype=np.float32) + _ONE
     columns[n:] = _ZERO  # the last panel's missing columns
-    stored = columns.reshape(2, PANEL)
-    if bfloat16:
+    stored: np.ndarray = columns.reshape(2, PANEL)
+    one: np.ndarray = np.ones(1, np.float32)
+    if pairs:  # a bfloat16's bits in each half of an int32
+        stored = (stored.view(np.int32) >> 16) * 0x10001
+        one = (one.view(np.int32) >> 16) * 0x10001
+    elif bfloat16:
         stored = (stored[:, PANEL_BFLOAT16_ORDER].view(np.int32) >> 16).astype(np.int16)
     for rows, k in cases:
         panels = np.ascontiguousarray(np.broadcast_to(stored[:, None, :], (2, k, PANEL)))
         y = np.empty((rows, n), np.float32)
-        panel_matmul(np.ones((rows, k), np.float32), panels, y)
-        if not np.array_equal(y, np.broadcast_to(columns[:n] * np.float32(k), (rows, n))):
-            raise RuntimeError(f"the compiled {'bfloat16 ' if bfloat16 else ''}panel product is wrong: {y}")
+        panel_matmul(np.full((rows, k), one[0]), panels, y)
+        if not np.array_equal(y, np.broadcast_to(columns[:n] * np.float32(k * (2 if pairs else 1)), (rows, n))):
+            kind = "bfloat16 pairs " if pairs else "bfloat16 " if bfloat16 else ""
+            raise RuntimeError(f"the compiled {kind}panel product is wrong: {y}")
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -1048,7 +1074,7 @@ def panel_matmul(x, panels, y):
         parts = (rows * k * 4 + _PANEL_X_BYTES - 1) // _PANEL_X_BYTES
         part = ((k + parts - 1) // parts + _PANEL_CHUNK - 1) // _PANEL_CHUNK * _PANEL_CHUNK
         pack = rows >= _PANEL_PACK_FROM
-        packed = np.empty((1, rows * part if pack else 0), np.float32)
+        packed = np.empty((1, rows * part if pack else 0), x.dtype)
         for k0 in range(0, k, part):
             k1 = min(k0 + part, k)
             if pack:
@@ -1136,9 +1162,9 @@ def _panel_tile_rows(rows, lines):
 
     @intrinsic
     def tile(typingctx, x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step):
-        if any(a.layout != "C" or a.dtype != types.float32 for a in (x, y)) or panels.ndim != 3:
+        if x.layout != "C" or y.layout != "C" or y.dtype != types.float32 or panels.ndim != 3:
             return None
-        if panels.layout != "C" or panels.dtype not in (types.float32, types.int16):
+        if panels.layout != "C" or (x.dtype, panels.dtype) not in _PANEL_TYPES:
             return None
 
         def codegen(context, builder, signature, args):
@@ -1158,7 +1184,8 @@ def _panel_tile_ir(context, builder, signature, args, shape):
     k, n = builder.extract_value(ps.shape, 1), builder.extract_value(ys.shape, 1)
     vectors = PANEL // _LANES
     bfloat16 = signature.args[2].dtype == types.int16  # panels of bfloat16 bits in PANEL_BFLOAT16_ORDER
-    fma, prefetch = _fmuladd(builder), _llvm_prefetch(builder)
+    in_pairs = signature.args[2].dtype == types.int32  # panels of bfloat16 pairs along K, and x as pairs too
+    fma, prefetch = (_dpbf16 if in_pairs else _fmuladd)(builder), _llvm_prefetch(builder)
     x_rows = [builder.gep(xs.data, [builder.add(x_first, builder.mul(x_row, _I64(r)))]) for r in range(rows)]
     panel = builder.gep(ps.data, [builder.mul(p, builder.mul(k, _I64(PANEL)))])
     outs = []
@@ -1188,20 +1215,24 @@ def _panel_tile_ir(context, builder, signature, args, shape):
             pairs = builder.bitcast(builder.gep(weights, [_I64(j * 2 * _LANES)]), _PAIRS.as_pointer())
             w += _widened_pairs(builder, builder.load(pairs, align=2))
     else:
+        vector = _PAIRS if in_pairs else _V
         w = [
-            builder.load(builder.bitcast(builder.gep(weights, [_I64(j * _LANES)]), _V.as_pointer()), align=4)
+            builder.load(builder.bitcast(builder.gep(weights, [_I64(j * _LANES)]), vector.as_pointer()), align=4)
             for j in range(vectors)
         ]
     new = []
     for r in range(rows):
-        broadcast = _broadcast(builder, builder.load(builder.gep(x_rows[r], [builder.mul(step, x_step)])))
+        broadcast = _broadcast(builder, builder.load(builder.gep(x_rows[r], [builder.mul(step, x_step)])), in_pairs)
         new += [builder.call(fma, [broadcast, w[j], sums[r * vectors + j]]) for j in range(vectors)]
+    # A lone tile of pairs prefetches into L1: over the 1.5B's products on Zen 4 at a 47-52 GB/s hour, M = 1-3
+    # 0.79-0.85x the time of prefetching into L2 (72-76 ms against 89-92), though two tiles lost (M = 8 1.5x).
+    locality = _TO_L1 if in_pairs and lines == 4 else _TO_L2
     slot = builder.mul(builder.sub(step, k0), _I64(lines))
     for i in range(lines):
         line = builder.add(start, builder.add(slot, _I64(i)))
         line = builder.select(builder.icmp_signed("<", line, stop), line, builder.sub(stop, _I64(1)))
         address = builder.gep(ps.data, [builder.mul(line, _I64(_LINE // (2 if bfloat16 else 4)))])
-        builder.call(prefetch, [builder.bitcast(address, _I8P), _I32(0), _I32(_TO_L2), _I32(1)])
+        builder.call(prefetch, [builder.bitcast(address, _I8P), _I32(0), _I32(locality), _I32(1)])
     next_step = builder.add(step, _I64(1))
     builder.branch(head)
     for block, values in ((load_block, kept), (zero_block, [zero] * len(outs))):

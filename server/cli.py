@@ -17,6 +17,7 @@ from specedge.scheduler import BatcherConfig
 from specedge.server.distributed import ParallelConfig, RankFailure, RankSpec, torchrun_rank, worker_main
 from specedge.server.engine import EngineConfig
 from specedge.server.limits import DEFAULT_MAX_ATTACH_PER_IDENTITY, RateLimitConfig
+from specedge.server.matmul import MATMUL_KINDS
 from specedge.server.transport import TransportConfig
 
 
@@ -42,11 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--matmul",
         default="auto",
-        choices=["auto", "eager", "fused", "numba", "onednn"],
-        help="matrix products: auto (on CPU, numba for float32, else oneDNN; on CUDA, fused), eager (torch's plain "
-        "path), fused (the same, q/k/v and gate/up stacked into one product each), numba (plain float32 weights "
-        "streamed at memory speed for small batches, oneDNN's GEMM for prefill), onednn (weights packed for "
-        "oneDNN; float32 or bfloat16)",
+        choices=list(MATMUL_KINDS),
+        help="matrix products: auto (on CPU, numba for float32; for bfloat16 numba's panels, onednn-numba or "
+        "onednn, whichever is fastest at every step here; on CUDA, fused), eager (torch's plain path), fused (the "
+        "same, q/k/v and gate/up stacked into one product each), numba (weights streamed at memory speed for small "
+        "batches, oneDNN's GEMM for prefill), onednn (weights packed for oneDNN; float32 or bfloat16), "
+        "onednn-numba (bfloat16 packed for oneDNN, small batches read by numba's kernel: CPUs with AVX512_BF16 "
+        "and no AMX)",
     )
     parser.add_argument(
         "--attention",

@@ -86,7 +86,7 @@ class RankSpec:
     model_dir: str  # HF safetensors directory (a GGUF was converted before any rank started)
     device_type: str  # "cpu" or "cuda"
     dtype: str  # torch dtype name, e.g. "float32"
-    matmul: str  # the resolved matrix-product path: "eager", "fused", "numba" or "onednn" (server/matmul.py)
+    matmul: str  # the resolved matrix-product path: one of server/matmul.py's MATMUL_KINDS but "auto"
     attention: str  # the resolved attention path, "rows", "numba" or "flex" (server/attention.py)
     store_port: int | None  # rank 0's TCPStore on 127.0.0.1; None: torchrun's env:// rendezvous
     collective_timeout_s: float

@@ -37,14 +37,23 @@
   are fused into one product each, so a layer reads its weights in four
   passes instead of seven. This is the kernel inductor emits under freezing,
   without the compile or its second copy of the weights.
+- `onednn-numba` (CPU, bfloat16, AVX512_BF16 without AMX): the weights packed for oneDNN as `onednn` packs them,
+  in one copy, and read two ways (PairPanelLinear). On Zen 4 oneDNN lays bfloat16 out as panels of 64 output
+  columns with K in pairs, which the numba kernel's panel product reads in place (vdpbf16ps), so products of up to
+  40 rows run the kernel and larger ones oneDNN's own GEMM. Each weight's layout is checked whole at load; one
+  that differs runs oneDNN's alone. A tied embedding reads the head's packed rows, so the table is held once.
+  Whole bfloat16 forwards of the 1.5B on a 2-core Zen 4 EPYC, in turn with `onednn`: 1 x 1 0.75x the time, 1 x 5
+  0.87x, 8 x 1 0.64x, 3 x 5 0.84x, 8 x 5 0.97x; with `numba` (plain rows): 1 x 1 1.07x, 1 x 5 1.13x, 8 x 1 1.01x,
+  8 x 5 0.93x, 16 x 5 0.89x, a 155-token prefill 0.93x.
 - `fused`: the device's own products (cuBLAS on CUDA) with q/k/v and gate/up
   stacked into one weight each, so a layer launches four products, not seven,
   each over a larger weight. On an H200 the 1.5B's graphed 1-token step spent
   52 of its 125 us a layer in seven products (bench/results/2026-11-27-h200-cuda.md).
 - `auto`: on a CPU, `numba` for float32 where numba compiles, and for bfloat16
   where its panels run (panels_here: an AVX-512 CPU without AMX, not Zen 4, and
-  timed faster there than the plain rows), else `onednn` where it is available
-  for the dtype, else `eager`, said in one log line; elsewhere (CUDA) `fused`.
+  timed faster there than the plain rows), else `onednn-numba` for bfloat16 where
+  it runs (Zen 4: faster than `onednn` at every step), else `onednn` where it is
+  available for the dtype, else `eager`, said in one log line; elsewhere (CUDA) `fused`.
 
 On the 2-core AVX2 EPYC of `bench/results/`, over a [M, 1536] x [1536, 8960]
 product: eager MKL takes 4.9 ms at M = 1 and 16 ms at M = 5, packed oneDNN
@@ -60,6 +69,7 @@ server-only decoding agree token for token up to near ties.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from collections.abc import Callable
@@ -77,7 +87,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MATMUL_KINDS = ("auto", "eager", "fused", "numba", "onednn")
+MATMUL_KINDS = ("auto", "eager", "fused", "numba", "onednn", "onednn-numba")
 
 
 class PackedLinear(nn.Module):
@@ -142,6 +152,75 @@ class PanelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PairPanelLinear(nn.Module):
+    """y = x @ W.T + b for a bfloat16 W held once, as oneDNN packs it (PackedLinear), read two ways
+    (`--matmul onednn-numba`): products of up to the kernel's MAX_ROWS_PAIRS rows run its panel product over the
+    packed bytes, larger ones oneDNN's own GEMM. On CPUs with AVX512_BF16 but not AMX (Zen 4) oneDNN lays a bfloat16
+    weight out as panels of PANEL output columns with K in pairs ([ceil(N / PANEL), K / 2, PANEL] int32, two weights
+    of a column at K = 2s and 2s + 1 in each), and the kernel sums a pair of products a lane (vdpbf16ps), each value
+    of y one float32 sum over K in order, whatever M. Where the packed bytes are not that layout (checked whole, at
+    load: pair_panels; K not a multiple of 32, which oneDNN pads, is not), every product runs oneDNN's."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.onednn = PackedLinear(weight, bias)
+        self.bias = self.onednn.bias
+        self.panels = pair_panels(self.onednn.packed, weight.detach())  # over the packed memory, or None
+        self._panels = None if self.panels is None else self.panels.numpy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features).contiguous()
+        compiled = numba_kernel()
+        if self._panels is None or compiled is None or x.shape[0] > compiled.MAX_ROWS_PAIRS:
+            y = self.onednn(x)
+        else:
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            compiled.set_threads(torch.get_num_threads())
+            compiled.panel_matmul(x.view(torch.int32).numpy(), self._panels, y.numpy())
+            if self.bias is not None:
+                y += self.bias
+            y = y.to(x.dtype)  # the one rounding
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        kernel = "numba and oneDNN" if self.panels is not None else "oneDNN only: not pair panels"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kernel}"
+        )
+
+
+def pair_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed bfloat16 `weight` as an int32 tensor [ceil(N / PANEL), K / 2, PANEL] over the same memory,
+    where every weight is where that layout puts it (compared bit for bit, a block of panels at a time), else
+    None. The tensor keeps `packed` alive."""
+    compiled = numba_kernel()
+    out_features, in_features = weight.shape
+    if compiled is None or weight.dtype != torch.bfloat16 or in_features % 2:
+        return None
+    panel = int(compiled.PANEL)
+    count = -(-out_features // panel)
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes != count * panel * in_features * weight.element_size():
+        return None
+    memory = (ctypes.c_int32 * (nbytes // 4)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    memory.packed = packed  # type: ignore[attr-defined]  # torch.frombuffer keeps `memory`, and so `packed`, alive
+    panels = torch.frombuffer(memory, dtype=torch.int32).view(count, in_features // 2, panel)
+    bits = weight.contiguous().view(torch.int16)
+    full, rest = divmod(out_features, panel)
+    blocks = [(first, min(first + PACK_PANELS, full)) for first in range(0, full, PACK_PANELS)]
+    for first, last in blocks + ([(full, full + 1)] if rest else []):
+        columns = min(last * panel, out_features) - first * panel
+        stored = panels[first:last].view(torch.int16).view(last - first, in_features // 2, panel, 2)
+        if columns < panel * (last - first):  # the last panel's missing columns: oneDNN's padding
+            stored = stored[:, :, :columns]
+        written = bits[first * panel : first * panel + columns].view(last - first, -1, in_features // 2, 2)
+        if not torch.equal(stored, written.transpose(1, 2)):
+            return None
+    return panels
+
+
 def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
     """A float32 or bfloat16 weight [out, in] as [ceil(out / panel), in, panel]: panel p holds output columns
     p * panel .. (p + 1) * panel - 1, its `in` rows of `panel` weights each contiguous, the last panel's missing
@@ -177,17 +256,20 @@ def panel_order(dtype: torch.dtype, panel: int) -> torch.Tensor:
 
 class PanelEmbedding(nn.Module):
     """A tied embedding read from its LM head's panels: a token's row is column token % PANEL of panel
-    token // PANEL (at its slot in the panel's order), the same values, so the tied table is held once."""
+    token // PANEL (at its slot in the panel's order), the same values, so the tied table is held once. Over
+    PairPanelLinear's pairs, each int32 of the column is two bfloat16 values of the row, in order."""
 
-    def __init__(self, head: PanelLinear):
+    def __init__(self, head: PanelLinear | PairPanelLinear):
         super().__init__()
+        assert head.panels is not None, "a head that kept no panels keeps its embedding too"
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
         self.panels = head.panels  # the same memory
         self.slots = torch.argsort(panel_order(self.panels.dtype, self.panels.shape[2]))  # column -> slot
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., dim]
         panel = self.panels.shape[2]
-        return self.panels[token_ids // panel, :, self.slots[token_ids % panel]]
+        rows = self.panels[token_ids // panel, :, self.slots[token_ids % panel]]
+        return rows.view(torch.bfloat16) if rows.dtype == torch.int32 else rows
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, read from the LM head's panels"
@@ -294,6 +376,36 @@ def onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def pairs_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `--matmul onednn-numba` cannot run here, or None when it can."""
+    if dtype != torch.bfloat16:
+        return f"it reads oneDNN's bfloat16 layout; {str(dtype).removeprefix('torch.')} takes numba or onednn"
+    if reason := onednn_unavailable(device, dtype) or numba_unavailable(device, dtype):
+        return reason
+    compiled = pairs_kernel()
+    if compiled is None:
+        return "numba could not compile the kernel's bfloat16 pairs (logged above)"
+    if not compiled.PAIRS:
+        return "with AMX, oneDNN runs bfloat16 in its tiles, faster than the kernel from 9 rows: use onednn"
+    if not pair_layout_here():
+        return "oneDNN lays bfloat16 weights out otherwise on this CPU, so the kernel cannot read them"
+    return None
+
+
+@functools.cache
+def pairs_kernel() -> ModuleType | None:
+    """The kernel with its panel product over bfloat16 pairs compiled and checked, or None."""
+    return load_kernel("_forward_numba", "bfloat16 products take oneDNN alone", "warm_up_pairs")
+
+
+@functools.cache
+def pair_layout_here() -> bool:
+    """Whether oneDNN packs bfloat16 weights here as pair_panels reads them, on a weight of a partial panel."""
+    compiled = numba_kernel()
+    probe = torch.randn(2 * int(compiled.PANEL) + 5, 96).to(torch.bfloat16) if compiled is not None else None
+    return probe is not None and pair_panels(PackedLinear(probe, None).packed, probe) is not None
+
+
 def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
     """The path a server will use: `kind` itself, or what `auto` means on this device and dtype."""
     if kind not in MATMUL_KINDS:
@@ -302,12 +414,13 @@ def resolve_matmul(kind: str, device: torch.device, dtype: torch.dtype) -> str:
         return kind
     if kind == "auto" and device.type != "cpu":
         return "fused"
-    unavailable = {"numba": numba_unavailable, "onednn": onednn_unavailable}
-    # auto tries numba, then onednn; for bfloat16 numba only where its panels run (panels_here), faster than oneDNN
-    # at every step on a Xeon without AMX; elsewhere oneDNN's packed layout is faster from 8 x 5 on.
+    unavailable = {"numba": numba_unavailable, "onednn": onednn_unavailable, "onednn-numba": pairs_unavailable}
+    # auto tries numba, then onednn. For bfloat16, numba only where its panels run (panels_here), faster than oneDNN
+    # at every step on a Xeon without AMX; elsewhere oneDNN's packed layout is faster from 8 x 5 on, so onednn-numba
+    # (that layout, its small products on the kernel: as fast or faster at every step on Zen 4), then onednn.
     tried = [kind] if kind != "auto" else ["numba", "onednn"]
     if kind == "auto" and dtype == torch.bfloat16 and not panels_here(dtype):  # False where numba cannot run
-        tried = ["onednn"]
+        tried = ["onednn-numba", "onednn"]
     reasons = {}
     for path in tried:
         reason = unavailable[path](device, dtype)
@@ -324,6 +437,8 @@ def prepare(model: CausalLM, kind: str) -> None:
     """Put a loaded model's projections in the form the resolved path `kind` runs, in place."""
     if kind == "onednn":
         pack_for_onednn(model)
+    elif kind == "onednn-numba":
+        pairs_for_numba(model)
     elif kind == "numba":
         plain_for_numba(model)
     elif kind == "fused":
@@ -341,6 +456,21 @@ def pack_for_onednn(model: CausalLM) -> None:
     """Replace every projection of a CausalLM (server/model.py) by its packed, fused form, in place."""
     _replace_projections(model, PackedLinear)
     _own_memory(model)  # what stays unpacked: the embedding, norms
+
+
+@torch.no_grad()
+def pairs_for_numba(model: CausalLM) -> None:
+    """Replace every projection of a CausalLM by its packed, fused form that the numba kernel reads too
+    (PairPanelLinear), in place; a tied embedding then reads the LM head's panels, so the table is held once."""
+    table = model.model.table()
+    tied = model.lm_head.weight is table
+    _replace_projections(model, PairPanelLinear)
+    if tied and isinstance(model.lm_head, PairPanelLinear) and model.lm_head.panels is not None:
+        model.model.embed_tokens = PanelEmbedding(model.lm_head)
+    kept = sum(isinstance(m, PairPanelLinear) and m.panels is None for m in model.modules())
+    if kept:
+        log.info("%d projections are not laid out as the kernel reads them: their products all run oneDNN's", kept)
+    _own_memory(model)  # what stays unpacked: the norms, an untied embedding
 
 
 @torch.no_grad()

@@ -12,8 +12,8 @@ import torch
 from specedge.bench import cli
 from specedge.bench.engine import (
     ATTENTION_STEPS,
+    DEFAULT_PATHS,
     DEFAULT_STEPS,
-    PATHS,
     CostModel,
     PrivatePeak,
     Step,
@@ -106,7 +106,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         "host text tokens": results["host"]["text"].get("tokens"),
         **{f"roofline {name}": results["roofline"].get(name, {}).get("ms") for name in DEFAULT_STEPS},
     }
-    for path in PATHS:
+    for path in DEFAULT_PATHS:
         run = results["paths"].get(path, {})
         assert run.get("matmul") == path, f"{path}: the path that ran was {run.get('matmul')}"
         figures |= {f"{path} {name}": run.get("steps", {}).get(name, {}).get("ms") for name in DEFAULT_STEPS}
@@ -130,7 +130,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
         assert run.get("load_private_peak_bytes", 0) <= run.get("peak_rss_bytes", 0)  # a part of the RSS, never more
     missing = {name: value for name, value in figures.items() if not (isinstance(value, (int, float)) and value > 0)}
     assert not missing, f"missing or non-positive figures: {missing}"
-    assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(PATHS)
+    assert {row["path"] for row in results["limits"]["gemm"]["rows"]} == set(DEFAULT_PATHS)
     [kernels] = results["limits"]["kernels"]["rows"]
     assert kernels["m"] == 3 and all(kernels[name] > 0 for name in ("eager", "onednn@1", "onednn@16", "numba"))
     # inductor's frozen product compiles where a C++ compiler is found; otherwise the table says why not
@@ -189,7 +189,7 @@ def test_engine_bench_times_every_step_on_both_paths(tiny_target_dir, tmp_path, 
     # Every step's forwards in turn with reads of the embedding table and the peak's product; a roofline from both.
     gemm = results["limits"]["gemm"]
     assert gemm["peak_gflop_s"] == max(row["gflop_s"] for row in gemm["rows"] if row["path"] == gemm["peak"]["path"])
-    for path in PATHS:
+    for path in DEFAULT_PATHS:
         for name in DEFAULT_STEPS:
             step, roofline = results["paths"][path]["steps"][name], results["roofline"][name]
             floor = roofline["gbytes"] * 1e3 / step["stream_gb_s"]

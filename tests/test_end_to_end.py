@@ -18,7 +18,15 @@ from specedge.edge_client.policy import SpeculationPolicy
 from specedge.edge_client.tokenizer import HFTokenizer
 from specedge.server.app import ServerConfig
 from specedge.server.engine import EngineConfig
-from specedge.server.matmul import PanelLinear, PlainLinear, numba_unavailable, panels_here
+from specedge.server.matmul import (
+    PairPanelLinear,
+    PanelLinear,
+    PlainLinear,
+    numba_unavailable,
+    pairs_unavailable,
+    panels_here,
+    resolve_matmul,
+)
 from specedge.types import FinishReason, SamplingParams
 from specedge.v1 import specedge_pb2 as pb
 from specedge.v1 import specedge_pb2_grpc
@@ -51,12 +59,15 @@ def test_flex_attention_server_is_lossless(tiny_target_dir, tokenizer, drafter, 
             assert generate(flex_server, tokenizer, prompt, None, max_new_tokens=24).token_ids == expected
 
 
-@pytest.mark.parametrize("matmul", ["auto", "numba"])
+@pytest.mark.parametrize("matmul", ["auto", "numba", "onednn-numba"])
 def test_bfloat16_server_is_lossless_against_itself(tiny_target_dir, tokenizer, drafter, matmul):
     """--dtype bfloat16 (oneDNN's bf16 kernels where the CPU has them; with `numba`, the numba products, on CPUs
-    with AVX512_BF16) changes the target's numerics, so its answers are compared with its own server-only
-    decoding: speculative equals server-only, token for token. Attention takes the numba kernel in both."""
+    with AVX512_BF16; with `onednn-numba`, both over oneDNN's layout, without AMX) changes the target's numerics,
+    so its answers are compared with its own server-only decoding: speculative equals server-only, token for
+    token. Attention takes the numba kernel in all."""
     if matmul == "numba" and (reason := numba_unavailable(torch.device("cpu"), torch.bfloat16)):
+        pytest.skip(reason)
+    if matmul == "onednn-numba" and (reason := pairs_unavailable(torch.device("cpu"), torch.bfloat16)):
         pytest.skip(reason)
     config = ServerConfig(
         model=str(tiny_target_dir),
@@ -70,9 +81,10 @@ def test_bfloat16_server_is_lossless_against_itself(tiny_target_dir, tokenizer, 
         runner = bf16_server.server.engine.stepper.runner
         assert runner.kv.k[0].dtype == torch.bfloat16 and runner.model.attention == "numba"
         head = runner.model.lm_head
-        assert matmul == "auto" or isinstance(head, PanelLinear | PlainLinear)
-        if isinstance(head, PanelLinear | PlainLinear):  # the numba path: bfloat16's panels where they run
-            assert isinstance(head, PanelLinear) == panels_here(torch.bfloat16)
+        resolved = resolve_matmul(matmul, torch.device("cpu"), torch.bfloat16)
+        assert isinstance(head, PairPanelLinear) == (resolved == "onednn-numba")
+        if resolved == "numba":  # bfloat16's panels where they run
+            assert isinstance(head, PanelLinear if panels_here(torch.bfloat16) else PlainLinear)
         for messages in PROMPTS:
             prompt = tokenizer.apply_chat_template(messages)
             server_only = generate(bf16_server, tokenizer, prompt, None, max_new_tokens=32).token_ids

@@ -17,11 +17,13 @@ from specedge.server.kernels import kernel_array
 from specedge.server.loading import load_target
 from specedge.server.matmul import (
     PackedLinear,
+    PairPanelLinear,
     PanelEmbedding,
     PanelLinear,
     PlainLinear,
     layout_rows,
     numba_max_rows,
+    pair_panels,
     resolve_matmul,
 )
 from specedge.server.runner import ForwardRequest, KVCache, ModelRunner
@@ -150,6 +152,114 @@ def test_a_tied_embedding_reads_the_heads_panels(dtype):
     assert torch.equal(embedding(token_ids), torch.nn.functional.embedding(token_ids, table))
 
 
+def _pairs():
+    """The kernel module where `--matmul onednn-numba` runs (AVX512_BF16 without AMX, oneDNN's pair layout), else
+    skip."""
+    if reason := matmul.pairs_unavailable(CPU, torch.bfloat16):
+        pytest.skip(reason)
+    return matmul.pairs_kernel()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("out_features", [5, 64, 130, 774])  # within one panel, one exactly, partial last panels
+@pytest.mark.parametrize("in_features", [32, 96, 2080])  # K within a chunk of pairs, past one, in two parts at 128
+def test_pair_panel_linear_reads_onednns_layout_and_rounds_once(in_features, out_features, bias, monkeypatch):
+    """The kernel over oneDNN's packed bytes up to MAX_ROWS_PAIRS rows, oneDNN's GEMM above: either way the exact
+    sum of the exact products rounded to bfloat16, within float32's rounding of the sum. The check of the layout
+    walks five panels at a time (774 columns: three blocks and a partial panel)."""
+    kernel = _pairs()
+    monkeypatch.setattr(matmul, "PACK_PANELS", 5)
+    torch.manual_seed(out_features + in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+    pairs = PairPanelLinear(linear.weight, linear.bias)
+    assert pairs.panels is not None
+    assert pairs.panels.shape == (-(-out_features // kernel.PANEL), in_features // 2, kernel.PANEL)
+    weight = linear.weight.double()
+    bias_values = 0.0 if linear.bias is None else linear.bias.double()
+    rows = (1, 2, 5, 6, 7, 8, 13, 19, kernel.MAX_ROWS_PAIRS, kernel.MAX_ROWS_PAIRS + 1, 129)
+    with torch.inference_mode():
+        for count in rows:
+            x = torch.randn(count, in_features, dtype=torch.bfloat16)
+            y = pairs(x)
+            assert y.dtype == torch.bfloat16
+            exact = (x.double() @ weight.T + bias_values).to(torch.bfloat16).double()
+            torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=2**-7)
+        x = torch.randn(2, 5, in_features, dtype=torch.bfloat16)
+        torch.testing.assert_close(pairs(x).double(), (x.double() @ weight.T + bias_values), atol=1e-2, rtol=2**-7)
+
+
+def test_a_rows_pair_products_do_not_depend_on_how_many_rows_share_them():
+    """Up to MAX_ROWS_PAIRS rows, each value is one sum over K in order: the same bits at every row count."""
+    kernel = _pairs()
+    torch.manual_seed(1)
+    pairs = PairPanelLinear(torch.randn(774, 2080).to(torch.bfloat16), None)
+    x = torch.randn(kernel.MAX_ROWS_PAIRS, 2080).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([pairs(x[m : m + 1]) for m in range(len(x))])
+        for rows in range(2, kernel.MAX_ROWS_PAIRS + 1):
+            assert torch.equal(pairs(x[:rows]), alone[:rows]), rows
+            assert torch.equal(pairs(x[len(x) - rows :]), alone[len(x) - rows :]), rows
+
+
+def test_pair_panels_are_read_only_where_every_weight_is_in_its_place():
+    """A weight one bit away from the packed one, or a K that oneDNN pads, leaves the projection on oneDNN alone,
+    which still computes it."""
+    _pairs()
+    torch.manual_seed(2)
+    weight = torch.randn(130, 96).to(torch.bfloat16)
+    packed = PackedLinear(weight, None).packed
+    assert pair_panels(packed, weight) is not None
+    for row, column in ((0, 0), (129, 95), (70, 33)):  # the first panel, the partial last one, one in between
+        other = weight.clone()
+        other.view(torch.int16)[row, column] ^= 1
+        assert pair_panels(packed, other) is None, (row, column)
+    odd = torch.randn(130, 100).to(torch.bfloat16)  # K not a multiple of 32: oneDNN pads it
+    padded = PairPanelLinear(odd, None)
+    assert padded.panels is None
+    x = torch.randn(3, 100).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(padded(x), PackedLinear(odd, None)(x))
+
+
+def test_a_tied_embedding_reads_the_heads_pairs():
+    _pairs()
+    torch.manual_seed(0)
+    table = torch.randn(130, 64).to(torch.bfloat16)
+    embedding = PanelEmbedding(PairPanelLinear(table, None))
+    token_ids = torch.tensor([[0, 63, 64, 129], [5, 5, 128, 1], [16, 17, 31, 32]])
+    assert torch.equal(embedding(token_ids), torch.nn.functional.embedding(token_ids, table))
+
+
+def test_onednn_numba_path_keeps_one_copy_and_computes_the_onednn_paths_logits(tiny_llama3_dir):
+    """Every projection packed once, read by both; the tied table held once, as the head's pairs; the logits those
+    of `--matmul onednn` within bfloat16's rounding, and the same argmax."""
+    _pairs()
+    resolved = ResolvedModel("tiny", "hf", tiny_llama3_dir)
+    onednn = load_target(resolved, device=CPU, dtype=torch.bfloat16, matmul="onednn").model
+    target = load_target(resolved, device=CPU, dtype=torch.bfloat16, matmul="onednn-numba")
+    model = target.model
+    assert target.matmul == "onednn-numba"
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert isinstance(head, PairPanelLinear) and head.panels is not None
+    assert isinstance(embedding, PanelEmbedding) and embedding.panels.data_ptr() == head.panels.data_ptr()
+    for layer in model.model.decoder_layers():
+        attn, mlp = layer.self_attn, layer.mlp
+        assert all(
+            isinstance(m, PairPanelLinear) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        )
+        assert attn.qkv_proj.panels is not None
+    assert sum(p.numel() for name, p in model.named_parameters() if "norm" not in name) == 0
+    token_ids = torch.arange(model.args.vocab_size)
+    assert torch.equal(embedding(token_ids), onednn.model.embed_tokens(token_ids))
+    step = [ForwardRequest(0, 0, (3, 17, 5, 9, 12))]
+    logits = []
+    for each in (onednn, model):
+        runner = ModelRunner(each, KVCache(each, num_slots=1, max_len=16, device=CPU, dtype=torch.bfloat16))
+        logits.append(runner.forward(step)[0].float())
+    torch.testing.assert_close(logits[1], logits[0], atol=0.05, rtol=0.05)
+    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+
+
 @pytest.mark.parametrize("out_features", [7, 130])  # partial blocks of 4 and of 3 rows
 @pytest.mark.parametrize("in_features", [48, 96, 1056])  # 48: no tile (K not a multiple of 32); 1056: K in chunks
 def test_plain_linear_in_bfloat16_sums_in_float32_and_rounds_once(in_features, out_features):
@@ -249,9 +359,13 @@ def test_auto_chooses_by_device_and_dtype_and_names_what_cannot_run():
     # bfloat16 kernels (its packed layout is faster from 8 x 5 on than the plain rows); numba takes bfloat16 only
     # with AVX512_BF16.
     bf16 = "onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "eager"
+    if matmul.pairs_unavailable(CPU, torch.bfloat16) is None:  # Zen 4: oneDNN's layout, read by the kernel too
+        bf16 = "onednn-numba"
     if matmul.numba_unavailable(CPU, torch.bfloat16) is None and matmul.panels_here(torch.bfloat16):
         bf16 = "numba"
     assert resolve_matmul("auto", CPU, torch.bfloat16) == bf16
+    with pytest.raises(ValueError, match="--matmul onednn-numba cannot run: it reads oneDNN's bfloat16 layout"):
+        resolve_matmul("onednn-numba", CPU, torch.float32)
     if (reason := matmul.numba_unavailable(CPU, torch.bfloat16)) is None:
         assert resolve_matmul("numba", CPU, torch.bfloat16) == "numba"
     else:

@@ -1,0 +1,71 @@
+"""Whole forwards of one model on two or more matrix paths, all loaded in one process, each step's forwards taken in
+turn: the comparison `specedge-bench engine` cannot make, since it loads one path after another while the hour's
+stream moves.
+
+    python scripts/forwards_in_turn.py --matmul onednn-numba onednn --dtype bfloat16 --steps 1x1 8x1 8x5 --rounds 6
+
+Each round runs every step once on each path, one path after the other. The medians are printed in ms, with each
+round's ratio of the first path's time to the second's, and whether every path gave the same argmax at every
+position (paths round differently, so logits are not compared bit for bit). Steps are named as the engine bench
+names them (bench/engine.py's Step), on 200 cached tokens a row by default. docs/engine-cpu.md's `onednn-numba`
+figures came from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.engine import DTYPES, Step, prefixed_runner
+from specedge.registry import resolve
+from specedge.server.loading import load_target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--matmul", nargs="+", required=True, help="two or more paths; ratios are first / second")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--steps", nargs="+", default=["1x1", "1x5", "8x1", "8x5", "16x5", "p155"])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--prefix", type=int, default=200)
+    args = parser.parse_args()
+    if len(args.matmul) < 2:
+        parser.error("--matmul needs two paths or more")
+    dtype, resolved = DTYPES[args.dtype], resolve(args.target)
+    steps = [Step.parse(name) for name in args.steps]
+    slots = max(step.rows + (1 if step.prefill else 0) for step in steps)
+    max_len = max(max(args.prefix + step.new_tokens, step.prefill) for step in steps)
+    runners = {}
+    for path in args.matmul:
+        model = load_target(resolved, device=torch.device("cpu"), dtype=dtype, matmul=path).model
+        runner, _, token_ids = prefixed_runner(model, slots, max_len, args.prefix, dtype)
+        runners[path] = runner
+    times: dict[tuple[str, str], list[float]] = {(path, step.name): [] for path in runners for step in steps}
+    same = dict.fromkeys(args.steps, True)
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for step in steps:
+                argmaxes = []
+                for path, runner in runners.items():
+                    requests = step.requests(args.prefix, token_ids)
+                    start = time.perf_counter()
+                    logits = runner.forward(requests)
+                    times[path, step.name].append((time.perf_counter() - start) * 1e3)
+                    argmaxes.append(torch.cat([row.float().argmax(-1).flatten() for row in logits if row is not None]))
+                same[step.name] &= all(torch.equal(argmaxes[0], other) for other in argmaxes[1:])
+    first, second = args.matmul[:2]
+    for step in steps:
+        medians = " ".join(f"{path} {statistics.median(times[path, step.name]):.1f} ms" for path in runners)
+        ratios = [a / b for a, b in zip(times[first, step.name], times[second, step.name])]
+        print(
+            f"{step.name}: {medians}; {first} / {second} {statistics.median(ratios):.2f}x "
+            f"({', '.join(f'{r:.2f}' for r in ratios)}); argmax {'the same' if same[step.name] else 'differs'}"
+        )
+
+
+if __name__ == "__main__":
+    main()
