@@ -1,6 +1,6 @@
 """`specedge-bench engine`: how close the target's forwards come to this machine's limits, in one run.
 
-    specedge-bench engine --out /tmp/engine                  # the real 1.5B, every matmul path, 5 repeats
+    specedge-bench engine --out /tmp/engine                  # the real 1.5B on eager, onednn and numba, 5 repeats
     specedge-bench engine --steps 1x1 8x5 --matmul onednn --repeats 3
 
 Measured one after the other in this process (CPU only):

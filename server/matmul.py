@@ -173,7 +173,13 @@ class PairPanelLinear(nn.Module):
         lead = x.shape[:-1]
         x = x.reshape(-1, self.in_features).contiguous()
         compiled = numba_kernel()
-        if self._panels is None or compiled is None or x.shape[0] > compiled.MAX_ROWS_PAIRS:
+        # x's pairs must be bfloat16's: other bits viewed as pairs would misread K (oneDNN's own GEMM says so).
+        if (
+            self._panels is None
+            or compiled is None
+            or x.shape[0] > compiled.MAX_ROWS_PAIRS
+            or x.dtype != torch.bfloat16
+        ):
             y = self.onednn(x)
         else:
             y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)

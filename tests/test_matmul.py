@@ -213,6 +213,8 @@ def test_pair_panels_are_read_only_where_every_weight_is_in_its_place():
         other = weight.clone()
         other.view(torch.int16)[row, column] ^= 1
         assert pair_panels(packed, other) is None, (row, column)
+    with pytest.raises(RuntimeError), torch.inference_mode():  # float32 x is never read as pairs; oneDNN refuses it
+        PairPanelLinear(weight, None)(torch.randn(2, 96))
     odd = torch.randn(130, 100).to(torch.bfloat16)  # K not a multiple of 32: oneDNN pads it
     padded = PairPanelLinear(odd, None)
     assert padded.panels is None
