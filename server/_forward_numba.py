@@ -1055,7 +1055,9 @@ def _check_panels(bfloat16: bool, pairs: bool = False) -> None:
 @njit(parallel=True, fastmath=True, cache=True)
 def panel_matmul(x, panels, y):
     """y = x @ w.T for float32 x [M, K] and w [N, K] packed as panels [ceil(N / PANEL), K, PANEL] (server/matmul.py's
-    PanelLinear; float32, or bfloat16's int16 bits in PANEL_BFLOAT16_ORDER, widened as they load): y [M, N]. Each
+    PanelLinear; float32, or bfloat16's int16 bits in PANEL_BFLOAT16_ORDER, widened as they load), or for bfloat16
+    x and w both as int32 pairs along K, x [M, K / 2] and panels [ceil(N / PANEL), K / 2, PANEL] (PairPanelLinear,
+    oneDNN's own layout; each pair of products summed by vdpbf16ps, a K value here a pair): y [M, N]. Each
     thread takes runs of whole panels and walks a chunk of K at a time (_PANEL_CHUNK float32 values, as many bytes
     of bfloat16); every tile of up to _PANEL_ROWS x rows reads the chunk, from memory the first and from L1 the
     rest, and the tiles share the prefetch of the next chunk. Every value of y is one sum over K in order, whatever
