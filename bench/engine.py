@@ -161,8 +161,8 @@ class EngineBenchConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not 0 < self.stream_gb <= 64:
             raise ValueError(f"--stream-gb must be in (0, 64], got {self.stream_gb}")
-        unavailable_paths = (("onednn", onednn_unavailable), ("numba", numba_unavailable))
-        for path, unavailable in (*unavailable_paths, ("onednn-numba", pairs_unavailable)):
+        checks = (("onednn", onednn_unavailable), ("numba", numba_unavailable), ("onednn-numba", pairs_unavailable))
+        for path, unavailable in checks:
             if path in self.matmul and (reason := unavailable(torch.device("cpu"), DTYPES[self.dtype])):
                 raise ValueError(f"--matmul {path} cannot run: {reason}")
 

@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--matmul",
         default="auto",
         choices=list(MATMUL_KINDS),
-        help="matrix products: auto (on CPU, numba for float32; for bfloat16 numba's panels, onednn-numba or "
-        "onednn, whichever is fastest at every step here; on CUDA, fused), eager (torch's plain path), fused (the "
+        help="matrix products: auto (on CPU, numba for float32; for bfloat16 numba where its panels run, else "
+        "onednn-numba where it runs, else onednn; on CUDA, fused), eager (torch's plain path), fused (the "
         "same, q/k/v and gate/up stacked into one product each), numba (weights streamed at memory speed for small "
         "batches, oneDNN's GEMM for prefill), onednn (weights packed for oneDNN; float32 or bfloat16), "
         "onednn-numba (bfloat16 packed for oneDNN, small batches read by numba's kernel: CPUs with AVX512_BF16 "
