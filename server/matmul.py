@@ -213,15 +213,15 @@ def pair_panels(packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | No
     memory = (ctypes.c_int32 * (nbytes // 4)).from_address(torch.ops.mkldnn.data_ptr(packed))
     memory.packed = packed  # type: ignore[attr-defined]  # torch.frombuffer keeps `memory`, and so `packed`, alive
     panels = torch.frombuffer(memory, dtype=torch.int32).view(count, in_features // 2, panel)
-    bits = weight.contiguous().view(torch.int16)
+    pairs = weight.contiguous().view(torch.int32)  # [N, K / 2]: each int32 the two weights a panel's int32 holds
     full, rest = divmod(out_features, panel)
     blocks = [(first, min(first + PACK_PANELS, full)) for first in range(0, full, PACK_PANELS)]
     for first, last in blocks + ([(full, full + 1)] if rest else []):
         columns = min(last * panel, out_features) - first * panel
-        stored = panels[first:last].view(torch.int16).view(last - first, in_features // 2, panel, 2)
+        stored = panels[first:last]
         if columns < panel * (last - first):  # the last panel's missing columns: oneDNN's padding
             stored = stored[:, :, :columns]
-        written = bits[first * panel : first * panel + columns].view(last - first, -1, in_features // 2, 2)
+        written = pairs[first * panel : first * panel + columns].view(last - first, -1, in_features // 2)
         if not torch.equal(stored, written.transpose(1, 2)):
             return None
     return panels
