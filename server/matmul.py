@@ -83,6 +83,8 @@ from specedge.server.heap import return_freed_memory
 from specedge.server.kernels import chosen_form, kernel_array, load_kernel
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from specedge.server.model import CausalLM
 
 log = logging.getLogger(__name__)
@@ -139,14 +141,8 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead, dtype = x.shape[:-1], x.dtype
         x = x.reshape(-1, self.in_features).float().contiguous()  # bfloat16: widened, exactly (x is small)
-        compiled = numba_kernel()
-        assert compiled is not None, "PanelLinear is built only where the kernel compiled"
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        compiled.set_threads(torch.get_num_threads())
-        compiled.panel_matmul(x.numpy(), self._panels, y.numpy())
-        if self.bias is not None:
-            y += self.bias
-        return y.to(dtype).reshape(*lead, self.out_features)  # bfloat16: the one rounding
+        y = _kernel_product(lambda kernel, out: kernel.panel_matmul(x.numpy(), self._panels, out), x, self, dtype)
+        return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -182,12 +178,8 @@ class PairPanelLinear(nn.Module):
         ):
             y = self.onednn(x)
         else:
-            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-            compiled.set_threads(torch.get_num_threads())
-            compiled.panel_matmul(x.view(torch.int32).numpy(), self._panels, y.numpy())
-            if self.bias is not None:
-                y += self.bias
-            y = y.to(x.dtype)  # the one rounding
+            pairs = x.view(torch.int32).numpy()
+            y = _kernel_product(lambda kernel, out: kernel.panel_matmul(pairs, self._panels, out), x, self, x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -300,18 +292,30 @@ class PlainLinear(nn.Module):
         if x.shape[0] > numba_max_rows(self.weight.dtype):
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         else:
-            compiled = numba_kernel()
-            assert compiled is not None, "PlainLinear is built only where the kernel compiled"
-            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-            compiled.set_threads(torch.get_num_threads())
-            compiled.matmul(kernel_array(x), self._weight_rows, y.numpy())
-            if self.bias is not None:
-                y += self.bias
-            y = y.to(x.dtype)  # bfloat16: the one rounding
+            rows = kernel_array(x)
+            y = _kernel_product(lambda kernel, out: kernel.matmul(rows, self._weight_rows, out), x, self, x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _kernel_product(
+    product: Callable[[ModuleType, np.ndarray], None],
+    x: torch.Tensor,
+    linear: PanelLinear | PairPanelLinear | PlainLinear,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`linear`'s y for x's rows by the numba kernel: product(kernel, y) sums into a float32 y on torch's threads,
+    then the bias is added and y rounds once, to dtype (bfloat16's one rounding)."""
+    compiled = numba_kernel()
+    assert compiled is not None, f"{type(linear).__name__} runs the kernel only where it compiled"
+    y = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
+    compiled.set_threads(torch.get_num_threads())
+    product(compiled, y.numpy())
+    if linear.bias is not None:
+        y += linear.bias
+    return y.to(dtype)
 
 
 @functools.cache

@@ -671,8 +671,9 @@ def test_tensor_parallel_bench_compares_tp1_and_tp2_with_the_same_answers(tiny_t
             "--no-progress",
         ]
     )
-    table = capsys.readouterr().out
-    assert status == 0, table
+    captured = capsys.readouterr()
+    table = captured.out
+    assert status == 0, table + captured.err  # stderr: guarded's one line, a failed server's last log lines
     assert "every --tp gave the answers --tp 1 gave: True" in table
     rows = [line for line in table.splitlines() if line.startswith(("| ar |", "| specedge |"))]
     assert len(rows) == 4 and {row.split("|")[3].strip() for row in rows} == {"1", "2"}
