@@ -27,6 +27,7 @@ from specedge.registry import ResolvedModel
 from specedge.server.app import ServerConfig
 from specedge.server.distributed import ParallelConfig, RankGroup
 from specedge.server.loading import load_target
+from specedge.server.matmul import pairs_unavailable
 from specedge.server.model import ModelArgs
 from specedge.server.parallel import TensorParallelError, load_shard, partition_for
 from specedge.server.runner import ForwardRequest, KVCache, KVMove, ModelRunner
@@ -234,6 +235,58 @@ def test_tp2_greedy_output_is_token_identical_to_tp1(tp2_address, tp1_outputs, t
     got = asyncio.run(_edges(tp2_address, tokenizer, prompts, tiny_draft_dir))
     assert got == tp1_outputs
     assert all(len(tokens) >= 2 for tokens in got)
+
+
+def test_tp2_bfloat16_reads_each_ranks_packed_pairs_and_stays_lossless(
+    tiny_target_dir, tiny_draft_dir, tokenizer, prompts
+):
+    """--tp 2 --dtype bfloat16 --matmul onednn-numba: every rank packs its shards for oneDNN and the kernel reads
+    each one's pairs (no rank logs a projection left to oneDNN alone), and speculative decoding equals the same
+    server's own server-only decoding (bfloat16 changes the target's numerics, and --tp sums in another order)."""
+    if reason := pairs_unavailable(CPU, torch.bfloat16):
+        pytest.skip(reason)
+    output: list[str] = []
+    process, address = start_server_process(
+        "--model",
+        str(tiny_target_dir),
+        "--tp",
+        "2",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "--matmul",
+        "onednn-numba",
+        "--max-context",
+        "256",
+        output=output,
+    )
+
+    async def answers():
+        drafter = TorchDrafter(tiny_draft_dir)
+        policy = SpeculationPolicy(num_draft=4, max_new_tokens=MAX_NEW)
+        try:
+            async with EdgeClient(address, tokenizer.fingerprint) as client:
+                return [
+                    (
+                        await generate(client, prompt, drafter, policy=policy),
+                        await generate(client, prompt, None, policy=policy),
+                    )
+                    for prompt in prompts[:3]
+                ]
+        finally:
+            drafter.close()
+
+    try:
+        for speculative, alone in asyncio.run(answers()):
+            assert speculative.token_ids == alone.token_ids and speculative.stats.accepted_tokens > 0
+        log = "".join(output)
+        assert "onednn-numba matrix products" in log
+        assert "not laid out as the kernel reads them" not in log, log
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
 
 
 def test_torchrun_launches_the_same_server(tiny_target_dir, tp1_outputs, tiny_draft_dir, tokenizer, prompts):
