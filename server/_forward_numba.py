@@ -244,7 +244,6 @@ _SPAN = 1 if _ZEN_AVX512 else 2
 # forwards: 1.19x, in turn on a 2-core Zen 4 EPYC). With three sums in memory the cached kernel's M = 8 took
 # 0.98-1.04x the freshly compiled one's (docs/engine-cpu.md).
 _SUMS_IN_MEMORY = 3 if _ZEN_AVX512 else 0
-_TO_L1 = 3  # llvm.prefetch's locality for L1 (prefetcht0)
 _TO_L2 = 2  # llvm.prefetch's locality: 2 fills L2 (prefetcht1); into L1 (3) was slower at K = 8960
 # On Zen 4 the tiles issue each of their prefetches three times in a row. Over all of the 1.5B's products (kernels
 # from numba's cache) in turn with the single prefetch and a torch read of the weights, at 50-61 GB/s: M = 5-8
@@ -1160,7 +1159,7 @@ def _panel_tile_rows(rows, lines):
     row's value broadcast to a vector, into rows x PANEL / lanes sums (6 x 4 in 30 of AVX-512's 32 registers).
     Each step also prefetches `lines` (1, 2 or 4) lines from line `start` of panels.ravel() on, up to line
     `stop` (a count fixed as the tile compiles: counted at run time, the branches took M = 40 from 0.73x the
-    plain tiles' time to 0.87x)."""
+    plain tiles' time to 0.87x); a lone tile of pairs (int32 panels, `lines` 4) prefetches none."""
 
     @intrinsic
     def tile(typingctx, x, m0, panels, p, k0, k1, y, column, start, stop, x_first, x_row, x_step):
@@ -1226,15 +1225,18 @@ def _panel_tile_ir(context, builder, signature, args, shape):
     for r in range(rows):
         broadcast = _broadcast(builder, builder.load(builder.gep(x_rows[r], [builder.mul(step, x_step)])), in_pairs)
         new += [builder.call(fma, [broadcast, w[j], sums[r * vectors + j]]) for j in range(vectors)]
-    # A lone tile of pairs prefetches into L1: over the 1.5B's products on Zen 4 at a 47-52 GB/s hour, M = 1-3
-    # 0.79-0.85x the time of prefetching into L2 (72-76 ms against 89-92), though two tiles lost (M = 8 1.5x).
-    locality = _TO_L1 if in_pairs and lines == 4 else _TO_L2
+    # A lone tile of pairs prefetches nothing: it walks one panel at a time, one stream in memory order, which the
+    # hardware's prefetchers keep ahead of on their own. Over all of the 1.5B's bfloat16 products on Zen 4, in turn
+    # with its prefetch into L1 (which had taken M = 1-3 to 0.79-0.85x the time of prefetching into L2): M = 2-5
+    # 0.80-0.93x the time at 39-47 GB/s, M = 1-5 0.89-1.02x at 29-32; whole forwards 1 x 1-6 0.83-1.00x (8 x 1, two
+    # tiles, 0.98-1.03x). Two tiles or more keep their prefetch into L2: without it M = 8 took 1.20-1.62x, 12 1.47-1.65x
+    # (docs/engine-cpu.md).
     slot = builder.mul(builder.sub(step, k0), _I64(lines))
-    for i in range(lines):
+    for i in range(0 if in_pairs and lines == 4 else lines):
         line = builder.add(start, builder.add(slot, _I64(i)))
         line = builder.select(builder.icmp_signed("<", line, stop), line, builder.sub(stop, _I64(1)))
         address = builder.gep(ps.data, [builder.mul(line, _I64(_LINE // (2 if bfloat16 else 4)))])
-        builder.call(prefetch, [builder.bitcast(address, _I8P), _I32(0), _I32(locality), _I32(1)])
+        builder.call(prefetch, [builder.bitcast(address, _I8P), _I32(0), _I32(_TO_L2), _I32(1)])
     next_step = builder.add(step, _I64(1))
     builder.branch(head)
     for block, values in ((load_block, kept), (zero_block, [zero] * len(outs))):
@@ -1250,8 +1252,9 @@ def _panel_tile_ir(context, builder, signature, args, shape):
         builder.store(total, pointer, align=4)
 
 
-# The tiles a walk takes: a lone tile (1-6 rows) prefetches four lines a step; two or three tiles (7-18 rows, so 3-6
-# a tile) two each; four tiles or more (19 rows on: rows > 6 (tiles - 1) leaves at least 4 to each) one each.
+# The tiles a walk takes: a lone tile (1-6 rows) prefetches four lines a step (pairs: none); two or three tiles (7-18
+# rows, so 3-6 a tile) two each; four tiles or more (19 rows on: rows > 6 (tiles - 1) leaves at least 4 to each) one
+# each.
 _panel_1, _panel_2, _panel_3, _panel_4, _panel_5, _panel_6 = (_panel_tile_rows(r, 4) for r in range(1, 7))
 _panel_1h, _panel_2h, _panel_3h, _panel_4h, _panel_5h, _panel_6h = (_panel_tile_rows(r, 2) for r in range(1, 7))
 _panel_1q, _panel_2q, _panel_3q, _panel_4q, _panel_5q, _panel_6q = (_panel_tile_rows(r, 1) for r in range(1, 7))
