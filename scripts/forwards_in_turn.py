@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.engine import DTYPES, Step, prefixed_runner
+from specedge.bench.engine import DTYPES, Step, prefixed_runner
 from specedge.registry import resolve
 from specedge.server.loading import load_target
 

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from bench.engine import DTYPES, Step, prefixed_runner
+from specedge.bench.engine import DTYPES, Step, prefixed_runner
 from specedge.registry import resolve
 from specedge.server import attention, layer_kernel, matmul
 from specedge.server.loading import load_target
