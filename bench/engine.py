@@ -45,7 +45,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -439,10 +439,14 @@ def _token_ids(vocab_size: int, count: int) -> list[int]:
 
 
 def prefixed_runner(
-    model: CausalLM, num_slots: int, max_len: int, prefix: int, dtype: torch.dtype
+    model: CausalLM, steps: Sequence[Step], prefix: int, dtype: torch.dtype
 ) -> tuple[ModelRunner, KVCache, list[int]]:
-    """A CPU runner over a fresh KV cache whose every slot holds the same `prefix` tokens (computed once in slot 0,
-    then copied), and the token ids (max_len of them) that the steps read on from."""
+    """A CPU runner over a fresh KV cache for `steps` on `prefix` cached tokens a row: a slot for each of the
+    largest step's rows (and its prefill row), every slot holding the same `prefix` tokens (computed once in slot 0,
+    then copied), long enough for every step's tokens; and the token ids (one a position) that the steps read on
+    from."""
+    num_slots = max(step.rows + (1 if step.prefill else 0) for step in steps)
+    max_len = max(max(prefix + step.new_tokens, step.prefill) for step in steps)  # >= prefix
     kv = KVCache(model, num_slots=num_slots, max_len=max_len, device=torch.device("cpu"), dtype=dtype)
     runner = ModelRunner(model, kv)
     token_ids = _token_ids(model.args.vocab_size, max_len)
@@ -477,9 +481,7 @@ def time_path(
     load_s = time.perf_counter() - start
     progress(f"{path}: loaded {target.name} in {load_s:.1f} s")
     model = target.model
-    num_slots = max(step.rows + (1 if step.prefill else 0) for step in steps)
-    max_len = max(max(config.prefix + step.new_tokens, step.prefill) for step in steps)
-    runner, kv, token_ids = prefixed_runner(model, num_slots, max_len, config.prefix, dtype)  # max_len >= prefix
+    runner, kv, token_ids = prefixed_runner(model, steps, config.prefix, dtype)
     results: dict[str, dict] = {}
     attention, layers = model.attention, model.compiled_layers
     # Where attention is compiled, the row loop as its baseline; where layers are compiled, the same forwards
@@ -519,7 +521,7 @@ def time_path(
     assert sample is not None, "one process: the logits are all here"
     samples = {"random": sample}
     if text_ids:
-        text = tuple(text_ids[: min(HOST_TEXT_TOKENS, max_len)])
+        text = tuple(text_ids[: min(HOST_TEXT_TOKENS, kv.max_len)])
         text_logits = runner.forward_packed([ForwardRequest(0, 0, text, all_logits=True)])
         assert text_logits is not None, "one process: the logits are all here"
         samples["text"] = text_logits

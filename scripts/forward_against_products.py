@@ -33,7 +33,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     target = load_target(resolve("qwen2.5-coder-1.5b"), device=torch.device("cpu"), dtype=torch.float32, matmul="numba")
     model = target.model
-    runner, _, ids = prefixed_runner(model, 8, PREFIX + 1, PREFIX, torch.float32)
+    steps = [Step.parse(name) for name in ("1x1", "8x1")]
+    runner, _, ids = prefixed_runner(model, steps, PREFIX, torch.float32)
     linears = [module for module in model.modules() if isinstance(module, (PlainLinear, PanelLinear))]
     print(f"{len(linears)} products, {sum(4 * m.in_features * m.out_features for m in linears) / 1e9:.2f} GB (float32)")
 
@@ -42,8 +43,7 @@ def main() -> None:
         return lambda: [linear(x) for linear, x in calls]
 
     calls = {
-        f"{name} forward": functools.partial(runner.forward_packed, Step.parse(name).requests(PREFIX, ids))
-        for name in ("1x1", "8x1")
+        f"{step.name} forward": functools.partial(runner.forward_packed, step.requests(PREFIX, ids)) for step in steps
     }
     calls |= {f"products M={rows}": products(rows) for rows in (1, 8)}
     for _ in range(args.rounds):

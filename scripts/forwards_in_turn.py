@@ -37,12 +37,10 @@ def main() -> None:
         parser.error("--matmul needs two paths or more")
     dtype, resolved = DTYPES[args.dtype], resolve(args.target)
     steps = [Step.parse(name) for name in args.steps]
-    slots = max(step.rows + (1 if step.prefill else 0) for step in steps)
-    max_len = max(max(args.prefix + step.new_tokens, step.prefill) for step in steps)
     runners = {}
     for path in args.matmul:
         model = load_target(resolved, device=torch.device("cpu"), dtype=dtype, matmul=path).model
-        runner, _, token_ids = prefixed_runner(model, slots, max_len, args.prefix, dtype)
+        runner, _, token_ids = prefixed_runner(model, steps, args.prefix, dtype)
         runners[path] = runner
     times: dict[tuple[str, str], list[float]] = {(path, step.name): [] for path in runners for step in steps}
     same = dict.fromkeys(args.steps, True)

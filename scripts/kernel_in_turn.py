@@ -80,9 +80,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     dtype, steps = DTYPES[args.dtype], [Step.parse(name) for name in args.steps]
     model = load_target(resolve(args.target), device=torch.device("cpu"), dtype=dtype, matmul=args.matmul).model
-    slots = max(step.rows + (1 if step.prefill else 0) for step in steps)
-    max_len = max(max(args.prefix + step.new_tokens, step.prefill) for step in steps)
-    runner, _, token_ids = prefixed_runner(model, slots, max_len, args.prefix, dtype)
+    runner, _, token_ids = prefixed_runner(model, steps, args.prefix, dtype)
     use = switcher(load_copy(args.copy))
     versions = {"installed": False, "copy": True}
     times: dict[tuple[str, str], list[float]] = {(version, step.name): [] for version in versions for step in steps}
