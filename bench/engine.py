@@ -456,6 +456,48 @@ def prefixed_runner(
     return runner, kv, token_ids
 
 
+def forwards_in_turn(
+    forwards: Mapping[str, Callable[[list[ForwardRequest]], list[torch.Tensor]]],
+    steps: Sequence[Step],
+    prefix: int,
+    token_ids: list[int],
+    rounds: int,
+) -> list[str]:
+    """Each step's forward by every version in `forwards` (a name -> the call that runs a step's requests), the
+    versions in turn: an untimed round first (kernels compile or load), then `rounds`, each in the reverse order of
+    the last, so that no version always goes first. One line a step: each version's median in ms, the median and
+    every round's ratio of the first version's time to the second's, and whether all gave the same logits bit for
+    bit, else the same argmax at every position (paths that round differently give other bits)."""
+    names = list(forwards)
+    times: dict[tuple[str, str], list[float]] = {(name, step.name): [] for name in names for step in steps}
+    same_bits = {step.name: True for step in steps}
+    same_argmax = dict(same_bits)
+    for turn in range(rounds + 1):
+        for step in steps:
+            logits = []
+            for name in names if turn % 2 else reversed(names):
+                requests = step.requests(prefix, token_ids)
+                start = time.perf_counter()
+                out = forwards[name](requests)
+                if turn:
+                    times[name, step.name].append((time.perf_counter() - start) * 1e3)
+                logits.append(torch.cat([row.float() for row in out]))  # [positions, vocab]
+            same_bits[step.name] &= all(torch.equal(logits[0], other) for other in logits[1:])
+            same_argmax[step.name] &= all(torch.equal(logits[0].argmax(-1), other.argmax(-1)) for other in logits[1:])
+    lines = []
+    first, second = names[:2]
+    for step in steps:
+        medians = ", ".join(f"{name} {statistics.median(times[name, step.name]):.1f} ms" for name in names)
+        ratios = [a / b for a, b in zip(times[first, step.name], times[second, step.name])]
+        same = "argmax the same" if same_argmax[step.name] else "argmax differs"
+        same = "logits the same bits" if same_bits[step.name] else same
+        lines.append(
+            f"{step.name}: {medians}; {first} / {second} {statistics.median(ratios):.3f}x "
+            f"({', '.join(f'{r:.2f}' for r in ratios)}); {same}"
+        )
+    return lines
+
+
 def time_path(
     resolved: ResolvedModel,
     path: str,

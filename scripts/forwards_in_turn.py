@@ -4,9 +4,10 @@ stream moves.
 
     python scripts/forwards_in_turn.py --matmul onednn-numba onednn --dtype bfloat16 --steps 1x1 8x1 8x5 --rounds 6
 
-Each round runs every step once on each path, one path after the other. The medians are printed in ms, with each
-round's ratio of the first path's time to the second's, and whether every path gave the same argmax at every
-position (paths round differently, so logits are not compared bit for bit). Steps are named as the engine bench
+Each round runs every step once on each path, one path after the other, the order reversed each round, after an
+untimed round (bench/engine.py's forwards_in_turn). The medians are printed in ms, with each round's ratio of the
+first path's time to the second's, and whether every path gave the same logits bit for bit, else the same argmax at
+every position (paths round differently). Steps are named as the engine bench
 names them (bench/engine.py's Step), on 200 cached tokens a row by default. docs/engine-cpu.md's `onednn-numba`
 figures came from it.
 """
@@ -14,12 +15,10 @@ figures came from it.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from specedge.bench.engine import DTYPES, Step, prefixed_runner
+from specedge.bench.engine import DTYPES, Step, forwards_in_turn, prefixed_runner
 from specedge.registry import resolve
 from specedge.server.loading import load_target
 
@@ -35,6 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     if len(args.matmul) < 2:
         parser.error("--matmul needs two paths or more")
+    torch.set_grad_enabled(False)
     dtype, resolved = DTYPES[args.dtype], resolve(args.target)
     steps = [Step.parse(name) for name in args.steps]
     runners = {}
@@ -42,27 +42,8 @@ def main() -> None:
         model = load_target(resolved, device=torch.device("cpu"), dtype=dtype, matmul=path).model
         runner, _, token_ids = prefixed_runner(model, steps, args.prefix, dtype)
         runners[path] = runner
-    times: dict[tuple[str, str], list[float]] = {(path, step.name): [] for path in runners for step in steps}
-    same = dict.fromkeys(args.steps, True)
-    with torch.inference_mode():
-        for _ in range(args.rounds):
-            for step in steps:
-                argmaxes = []
-                for path, runner in runners.items():
-                    requests = step.requests(args.prefix, token_ids)
-                    start = time.perf_counter()
-                    logits = runner.forward(requests)
-                    times[path, step.name].append((time.perf_counter() - start) * 1e3)
-                    argmaxes.append(torch.cat([row.float().argmax(-1).flatten() for row in logits if row is not None]))
-                same[step.name] &= all(torch.equal(argmaxes[0], other) for other in argmaxes[1:])
-    first, second = args.matmul[:2]
-    for step in steps:
-        medians = " ".join(f"{path} {statistics.median(times[path, step.name]):.1f} ms" for path in runners)
-        ratios = [a / b for a, b in zip(times[first, step.name], times[second, step.name])]
-        print(
-            f"{step.name}: {medians}; {first} / {second} {statistics.median(ratios):.2f}x "
-            f"({', '.join(f'{r:.2f}' for r in ratios)}); argmax {'the same' if same[step.name] else 'differs'}"
-        )
+    forwards = {path: runner.forward for path, runner in runners.items()}
+    print("\n".join(forwards_in_turn(forwards, steps, args.prefix, token_ids, args.rounds)))
 
 
 if __name__ == "__main__":

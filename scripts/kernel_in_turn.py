@@ -1,16 +1,16 @@
 """Whole forwards of one model with two versions of the numba kernels, server/_forward_numba.py as installed and a
-changed copy of it, the model loaded once and each step's forwards taken in turn: how a kernel change moves whole
-steps, at the same hour's stream for both (the comparison two processes, or two engine runs, cannot make).
+changed copy of it, the model loaded once and each step's forwards taken in turn: how a kernel change moves whole steps,
+at the same hour's stream for both (the comparison two processes, or two engine runs, cannot make).
 
     cp server/_forward_numba.py /tmp/variant.py   # then change the copy
     python scripts/kernel_in_turn.py /tmp/variant.py --dtype bfloat16 --matmul onednn-numba --steps 1x1 1x5 8x1
 
-Every forward runs with the kernel getters the engine calls in a step (the products', the attention's and the
-compiled layers') answering with one version or the other; the rounds alternate which goes first, and the first
-forward of each is untimed (the copy compiles then, into its own numba cache beside it). The weights are laid out
-once, by the installed kernel's rules, so the copy must keep the constants that decide a layout (PANEL, the pairs,
-which forms run) and change only how the kernels read it. Printed: each step's medians in ms, the copy's time over
-the installed one's a round, and whether every logit had the same bits. docs/engine-cpu.md's "A lone tile of pairs
+Every forward runs with the kernel getters the engine calls in a step (the products', the attention's and the compiled
+layers') answering with one version or the other; the rounds alternate which goes first, and the first forward of each
+is untimed (the copy compiles then, into its own numba cache beside it). The weights are laid out once, by the installed
+kernel's rules, so the copy must keep the constants that decide a layout (PANEL, the pairs, which forms run) and change
+only how the kernels read it. Printed (bench/engine.py's forwards_in_turn): each step's medians in ms, the copy's time
+over the installed one's a round, and whether every logit had the same bits. docs/engine-cpu.md's "A lone tile of pairs
 prefetches nothing" came from the probe that became this script.
 """
 
@@ -19,18 +19,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import pathlib
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
-from specedge.bench.engine import DTYPES, Step, prefixed_runner
+from specedge.bench.engine import DTYPES, Step, forwards_in_turn, prefixed_runner
 from specedge.registry import resolve
 from specedge.server import attention, layer_kernel, matmul
 from specedge.server.loading import load_target
+from specedge.server.runner import ForwardRequest
 
 # (module, name) of each kernel getter a step calls: each returns server/_forward_numba.py's module, or None.
 GETTERS = (
@@ -82,31 +81,21 @@ def main() -> None:
     model = load_target(resolve(args.target), device=torch.device("cpu"), dtype=dtype, matmul=args.matmul).model
     runner, _, token_ids = prefixed_runner(model, steps, args.prefix, dtype)
     use = switcher(load_copy(args.copy))
-    versions = {"installed": False, "copy": True}
-    times: dict[tuple[str, str], list[float]] = {(version, step.name): [] for version in versions for step in steps}
-    same = dict.fromkeys(args.steps, True)
+
+    def with_kernels(the_copy: bool) -> Callable[[list[ForwardRequest]], list[torch.Tensor]]:
+        def forward(requests: list[ForwardRequest]) -> list[torch.Tensor]:
+            use(the_copy)  # four attributes set: nothing beside a forward's time
+            return runner.forward(requests)
+
+        return forward
+
     try:
-        for turn in range(args.rounds + 1):  # the first untimed: each version's kernels compile or load
-            for step in steps:
-                logits = {}
-                for version in versions if turn % 2 else reversed(versions):
-                    use(versions[version])
-                    start = time.perf_counter()
-                    out = runner.forward(step.requests(args.prefix, token_ids))
-                    if turn:
-                        times[version, step.name].append((time.perf_counter() - start) * 1e3)
-                    logits[version] = torch.cat([row.float().flatten() for row in out if row is not None])
-                same[step.name] &= torch.equal(logits["installed"], logits["copy"])
+        lines = forwards_in_turn(
+            {"copy": with_kernels(True), "installed": with_kernels(False)}, steps, args.prefix, token_ids, args.rounds
+        )
     finally:
         use(False)
-    for step in steps:
-        medians = {version: statistics.median(times[version, step.name]) for version in versions}
-        ratios = [a / b for a, b in zip(times["copy", step.name], times["installed", step.name])]
-        print(
-            f"{step.name}: installed {medians['installed']:.1f} ms, copy {medians['copy']:.1f} ms; copy / installed "
-            f"{statistics.median(ratios):.3f}x ({', '.join(f'{r:.2f}' for r in ratios)}); "
-            f"logits {'the same bits' if same[step.name] else 'differ'}"
-        )
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,10 +19,12 @@ from specedge.bench.engine import (
     PrivatePeak,
     Step,
     _below_roofline_lines,
+    forwards_in_turn,
 )
 from specedge.server.attention import tiles_here
 from specedge.server.matmul import numba_kernel, panels_here
 from specedge.server.model import ModelArgs
+from specedge.server.runner import ForwardRequest
 
 # Qwen2.5-Coder-1.5B's shape: 1.54 B matrix-weight parameters, the LM head tied to the embedding.
 QWEN_1_5B = ModelArgs(151936, 1536, 8960, 28, 12, 2, 128, 1e-6, True, True, 32768)
@@ -39,6 +42,35 @@ def test_steps_parse_into_rows_on_a_prefix_and_a_prefill_row_from_zero():
     for bad in ("8y5", "x5", "8x", "p0", "0x0", ""):
         with pytest.raises(ValueError, match="--steps wants ROWSxTOKENS"):
             Step.parse(bad)
+
+
+def test_forwards_in_turn_alternates_the_versions_and_says_how_alike_their_logits_are():
+    steps = [Step.parse("2x3"), Step.parse("1x2+p4")]
+    calls: list[str] = []
+
+    def version(name: str, change: float) -> Callable[[list[ForwardRequest]], list[torch.Tensor]]:
+        def forward(requests: list[ForwardRequest]) -> list[torch.Tensor]:
+            calls.append(name)
+            # Logits whose argmax is the position's token id (all below 5 here), and stays so for `change` below 0.2.
+            return [
+                torch.nn.functional.one_hot(torch.tensor(r.token_ids[-r.num_logits :]), 5).float().mul(1 - change)
+                + change * torch.arange(5.0)
+                for r in requests
+            ]
+
+        return forward
+
+    lines = forwards_in_turn({"a": version("a", 0.0), "b": version("b", 0.0)}, steps, 6, list(range(20)), 3)
+    assert [line.split(":")[0] for line in lines] == ["2x3", "1x2+p4"]
+    assert all(line.endswith("logits the same bits") and "a / b" in line for line in lines)
+    assert all(len(line.split("(")[1].split(")")[0].split(", ")) == 3 for line in lines)  # a ratio a timed round
+    # An untimed round and three timed ones, each step's versions in the reverse order of the round before.
+    assert calls == [*["b", "a"] * 2, *["a", "b"] * 2, *["b", "a"] * 2, *["a", "b"] * 2]
+
+    lines = forwards_in_turn({"a": version("a", 0.0), "c": version("c", 0.1)}, steps, 6, list(range(20)), 1)
+    assert all(line.endswith("argmax the same") for line in lines)
+    lines = forwards_in_turn({"a": version("a", 0.0), "d": version("d", 0.9)}, steps, 6, list(range(20)), 1)
+    assert all(line.endswith("argmax differs") for line in lines)
 
 
 def test_roofline_counts_a_tied_head_once_and_runs_it_only_for_wanted_logits():
